@@ -1,0 +1,34 @@
+"""compjax: communication-efficient distributed training in JAX.
+
+Gradient compressors as optax transformations, the collectives that carry
+their payloads, exact byte accounting and data-parallel helpers.
+"""
+
+from compjax import codecs, collectives, parallel
+from compjax.accounting import Collective, audit_collectives, payload_bytes
+from compjax.compressors import (
+    IdentityState,
+    PowerSGDState,
+    TopkState,
+    identity,
+    powersgd,
+    topk,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "codecs",
+    "collectives",
+    "parallel",
+    "Collective",
+    "audit_collectives",
+    "payload_bytes",
+    "IdentityState",
+    "identity",
+    "PowerSGDState",
+    "powersgd",
+    "TopkState",
+    "topk",
+    "__version__",
+]

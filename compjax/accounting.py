@@ -1,0 +1,204 @@
+"""Bytes on the wire: what the state says was sent, and what the compiled program sends.
+
+``payload_bytes`` reads the counters the compressors keep; ``audit_collectives``
+reads the collectives of a compiled program from its HLO, so anyone can check
+that the two agree (DESIGN.md, "Honesty of the wire").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Collective", "payload_bytes", "audit_collectives", "COLLECTIVE_OPS"]
+
+#: HLO opcodes counted as collectives (async ``-start`` forms included; ``-done`` skipped).
+COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+
+_DTYPE_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "c64": 64, "c128": 128, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e3m4": 8,
+    "f8e4m3b11fnuz": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
+}
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+class Collective(NamedTuple):
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      op: HLO opcode without ``-start`` (e.g. ``"all-reduce"``, ``"all-gather"``).
+      operands: ``((dtype, shape), ...)``, one per operand (XLA may combine
+        several reductions into one tuple-shaped instruction).
+      bytes: total operand bytes: what this device puts into the collective.
+      name: the instruction's name in the HLO.
+    """
+
+    op: str
+    operands: tuple
+    bytes: int
+    name: str
+
+    @property
+    def dtype(self) -> str:
+        """Operand dtype (HLO spelling, e.g. ``"f32"``); joined with ``,`` if several."""
+        return ",".join(d for d, _ in self.operands)
+
+    @property
+    def shape(self) -> tuple:
+        """Operand shape; a tuple of shapes if the instruction has several operands."""
+        if len(self.operands) == 1:
+            return self.operands[0][1]
+        return tuple(s for _, s in self.operands)
+
+
+def payload_bytes(opt_state: Any) -> jnp.ndarray:
+    """Bytes put into collectives in the last step, summed over every compressor state.
+
+    Walks a (chained) optax state and adds the ``payload_bytes`` field of every
+    NamedTuple state that has one.
+
+    Args:
+      opt_state: any optax state pytree, e.g. of ``optax.chain(cj.topk(...), optax.sgd(...))``.
+
+    Returns:
+      int32 array: a scalar for one worker's state; shape ``(n,)`` for a
+      worker-stacked state (one entry per worker).  0 if no compressor is found.
+    """
+
+    def is_counter(x):
+        return isinstance(x, tuple) and hasattr(x, "_fields") and "payload_bytes" in x._fields
+
+    found = [s.payload_bytes for s in jax.tree.leaves(opt_state, is_leaf=is_counter) if is_counter(s)]
+    if not found:
+        return jnp.zeros((), jnp.int32)
+    total = found[0]
+    for x in found[1:]:
+        total = total + x
+    return total
+
+
+def _split_top(s: str) -> list[str]:
+    """Split ``s`` at top-level commas (outside (), [], {})."""
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def _matching(s: str, start: int) -> int:
+    """Index of the bracket closing the one at ``s[start]``."""
+    depth = 0
+    for i in range(start, len(s)):
+        if s[i] in "([{":
+            depth += 1
+        elif s[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO line: {s[:200]}")
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [
+        (d, tuple(int(x) for x in dims.split(",") if x))
+        for d, dims in _ARRAY_RE.findall(type_text)
+        if d in _DTYPE_BITS
+    ]
+
+
+def _parse_hlo(text: str):
+    """Yield ``(name, type_text, opcode, operand_texts)`` for each instruction line."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("ROOT "):
+            line = line[5:]
+        m = re.match(r"%?([\w.\-]+)\s*=\s*", line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        if rest.startswith("("):
+            end = _matching(rest, 0)
+            type_text, rest = rest[: end + 1], rest[end + 1:].lstrip()
+        else:
+            sp = rest.find(" ")
+            if sp < 0:
+                continue
+            type_text, rest = rest[:sp], rest[sp + 1:].lstrip()
+        om = re.match(r"([\w\-]+)\(", rest)
+        if not om:
+            continue
+        paren = om.end() - 1
+        close = _matching(rest, paren)
+        yield m.group(1), type_text, om.group(1), _split_top(rest[paren + 1: close])
+
+
+def _nbytes(arrays) -> int:
+    return sum(math.ceil(math.prod(s) * _DTYPE_BITS[d] / 8) for d, s in arrays)
+
+
+def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
+    """List the collectives of the compiled program of ``fn(*args, **kwargs)``.
+
+    The function is lowered and compiled (``jax.jit`` is applied if ``fn`` is not
+    already jitted) and the optimized HLO text is read: every instruction whose
+    opcode is in :data:`COLLECTIVE_OPS` (or its async ``-start`` form) is
+    returned with its operands' dtypes and shapes, looked up from the
+    instructions that define them.  Under ``shard_map`` or ``pmap`` the program
+    is the per-device one, so ``bytes`` is what one worker puts into each
+    collective.  Note that ``jax.vmap(..., axis_name=...)`` compiles collectives
+    away: audit under ``shard_map`` or ``pmap``.
+
+    Args:
+      fn: a function or a ``jax.jit``-wrapped function.
+      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+
+    Returns:
+      A list of :class:`Collective`, in program order.
+
+    Examples:
+      >>> ops = audit_collectives(step, params, opt_state, batch)  # doctest: +SKIP
+      >>> sum(op.bytes for op in ops)                            # doctest: +SKIP
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    text = jitted.lower(*args, **kwargs).compile().as_text()
+    types: dict[str, str] = {}
+    found = []
+    for name, type_text, opcode, operands in _parse_hlo(text):
+        types[name] = type_text
+        op = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+        if op in COLLECTIVE_OPS:
+            found.append((name, op, operands))
+    out = []
+    for name, op, operands in found:
+        arrays = []
+        for o in operands:
+            if o.startswith("%") or re.match(r"^[\w.\-]+$", o):
+                arrays.extend(_arrays(types.get(o.lstrip("%"), "")))
+            else:  # operand printed with its type, e.g. "f32[10]{0} %x"
+                arrays.extend(_arrays(o.split("%")[0]))
+        out.append(Collective(op, tuple(arrays), _nbytes(arrays), name))
+    return out

@@ -1,0 +1,48 @@
+"""Top-k sparsification codec (Strom 2015; Aji & Heafield 2017).
+
+A layer of ``size`` elements keeps ``k = max(1, ceil(ratio * size))`` entries of
+largest magnitude.  The payload is the int32 flat indices and the values at them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def layer_k(size: int, ratio: float) -> int:
+    """Number of kept entries for a layer: ``max(1, ceil(ratio * size))``, at most ``size``.
+
+    Args:
+      size: number of elements of the layer (> 0).
+      ratio: kept fraction in (0, 1].
+
+    Returns:
+      k as a Python int (static).
+    """
+    # Guard against float noise: ceil(0.01 * 100) must be 1, not 2.
+    k = math.ceil(ratio * size - 1e-9 * size)
+    return int(min(size, max(1, k)))
+
+
+def topk_select(x: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Select the ``k`` entries of largest magnitude of ``x``.
+
+    Args:
+      x: array of any shape, float dtype.
+      k: static number of entries to keep, ``1 <= k <= x.size``.
+
+    Returns:
+      ``(indices, values)``: int32 indices into ``x.ravel()`` of shape ``(k,)`` and
+      the values ``x.ravel()[indices]`` of shape ``(k,)`` and dtype ``x.dtype``.
+      Ties are broken by ``jax.lax.top_k`` (lowest index first).
+    """
+    flat = jnp.ravel(x)
+    if k == flat.size:
+        idx = jnp.arange(flat.size, dtype=jnp.int32)
+        return idx, flat
+    _, idx = jax.lax.top_k(jnp.abs(flat), k)
+    idx = idx.astype(jnp.int32)
+    return idx, flat[idx]

@@ -1,0 +1,176 @@
+"""The wire: every collective compjax issues goes through this module.
+
+Each function takes a worker's local payload, moves it with one or two
+``jax.lax`` collectives over ``axis_name`` and returns ``(result, payload_bytes)``:
+the decompressed **mean over workers** and the number of bytes this worker put
+into the collectives (the operand bytes of the collective ops in the compiled
+program, as :func:`compjax.audit_collectives` reads them).
+
+``axis_name=None`` means a single worker: no collective is issued and the
+result is the worker's own payload decoded; ``payload_bytes`` still reports
+the size of the payload the worker would send, so single-process simulations
+can account bytes.
+
+The same code runs under ``jax.shard_map``, ``jax.pmap`` and
+``jax.vmap(..., axis_name=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from compjax.codecs.bucket import make_bucket
+from compjax.codecs.lowrank import orthonormalize
+
+AxisName = Hashable | None
+
+__all__ = [
+    "num_workers",
+    "worker_index",
+    "dense_mean",
+    "dense_mean_arrays",
+    "sparse_mean",
+    "lowrank_mean",
+]
+
+
+def _nbytes(x: jnp.ndarray) -> int:
+    return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
+def num_workers(axis_name: AxisName) -> int:
+    """Number of workers along ``axis_name`` (1 when ``axis_name`` is None). Static int."""
+    if axis_name is None:
+        return 1
+    return int(jax.lax.axis_size(axis_name))
+
+
+def worker_index(axis_name: AxisName) -> jnp.ndarray:
+    """This worker's index along ``axis_name`` as an int32 scalar (0 when None)."""
+    if axis_name is None:
+        return jnp.zeros((), jnp.int32)
+    return jax.lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def dense_mean(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
+    """Mean of ``x`` over workers with one all-reduce (``psum`` then ``/ n``).
+
+    Args:
+      x: this worker's array, any shape and float dtype.
+      axis_name: worker axis, or None for one worker.
+
+    Returns:
+      ``(mean, payload_bytes)``: the mean, same shape and dtype as ``x``, and
+      ``x.size * itemsize`` bytes (the all-reduce operand).
+    """
+    if axis_name is None:
+        return x, _nbytes(x)
+    n = num_workers(axis_name)
+    return jax.lax.psum(x, axis_name) / jnp.asarray(n, x.dtype), _nbytes(x)
+
+
+def dense_mean_arrays(
+    arrays: Sequence[jnp.ndarray], axis_name: AxisName
+) -> tuple[list[jnp.ndarray], int]:
+    """Mean over workers of several arrays, bucketed: one all-reduce per dtype.
+
+    The arrays are raveled into one flat buffer per dtype (usually one), reduced
+    with :func:`dense_mean` and split back.
+
+    Args:
+      arrays: this worker's arrays, any shapes; an empty sequence issues nothing.
+      axis_name: worker axis, or None.
+
+    Returns:
+      ``(means, payload_bytes)``: the means in the input order and shapes, and
+      the total bytes of the all-reduce operands.
+    """
+    out: list[jnp.ndarray | None] = [None] * len(arrays)
+    total = 0
+    by_dtype: dict[jnp.dtype, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
+    for _, idxs in by_dtype.items():
+        bucket = make_bucket([arrays[i].shape for i in idxs])
+        mean, nbytes = dense_mean(bucket.flatten([arrays[i] for i in idxs]), axis_name)
+        total += nbytes
+        for i, m in zip(idxs, bucket.unflatten(mean)):
+            out[i] = m
+    return out, total  # type: ignore[return-value]
+
+
+def sparse_mean(
+    indices: jnp.ndarray, values: jnp.ndarray, size: int, axis_name: AxisName
+) -> tuple[jnp.ndarray, int]:
+    """Mean over workers of sparse vectors: all-gather (indices, values), then scatter-add.
+
+    Every worker's ``k`` indices and values travel through ``jax.lax.all_gather``;
+    each worker then scatter-adds all ``n * k`` pairs into a dense buffer and
+    divides by ``n`` (Lin et al. 2018, Sec. 3: exchange of sparse gradients).
+    Duplicate indices (within or across workers) add up.
+
+    Args:
+      indices: int32 ``(k,)`` flat indices into a vector of ``size`` elements.
+      values: ``(k,)`` values at those indices, float dtype.
+      size: length of the dense vector (static).
+      axis_name: worker axis, or None.
+
+    Returns:
+      ``(mean, payload_bytes)``: the dense ``(size,)`` mean in ``values.dtype`` and
+      ``k * (4 + itemsize)`` bytes (the two all-gather operands).
+    """
+    if indices.shape != values.shape or indices.ndim != 1:
+        raise ValueError(
+            f"indices and values must be 1-D of the same shape, got {indices.shape} and {values.shape}"
+        )
+    nbytes = _nbytes(indices) + _nbytes(values)
+    if axis_name is not None:
+        n = num_workers(axis_name)
+        indices = jax.lax.all_gather(indices, axis_name).reshape(-1)
+        values = jax.lax.all_gather(values, axis_name).reshape(-1)
+    else:
+        n = 1
+    dense = jnp.zeros((size,), values.dtype).at[indices].add(values)
+    return dense / jnp.asarray(n, values.dtype), nbytes
+
+
+def lowrank_mean(
+    matrices: Sequence[jnp.ndarray], qs: Sequence[jnp.ndarray], axis_name: AxisName
+) -> tuple[list[jnp.ndarray], list[jnp.ndarray], int]:
+    """PowerSGD's low-rank mean of matrices: two bucketed all-reduces (P, then Q).
+
+    Vogels et al., NeurIPS 2019, Algorithm 1 (one power iteration per step)::
+
+        P_i = M_i Q           all-reduce-mean  P = mean_i P_i
+        P̂  = orthonormalize(P)
+        Q_i = M_iᵀ P̂          all-reduce-mean  Q = mean_i Q_i
+        output = P̂ Qᵀ  (= P̂ P̂ᵀ mean_i M_i, the same on every worker)
+
+    All P's of the call share one all-reduce and all Q's another.
+
+    Args:
+      matrices: this worker's ``(m_j, n_j)`` matrices.
+      qs: the ``(n_j, r_j)`` query matrices, the same on every worker
+        (``r_j <= min(m_j, n_j)``).
+      axis_name: worker axis, or None.
+
+    Returns:
+      ``(outputs, new_qs, payload_bytes)``: the ``(m_j, n_j)`` rank-``r_j``
+      approximations of the mean, the averaged ``(n_j, r_j)`` Q's (to warm-start
+      the next step) and the bytes of both all-reduce operands,
+      ``sum_j (m_j + n_j) r_j * itemsize``.
+    """
+    if len(matrices) != len(qs):
+        raise ValueError(f"got {len(matrices)} matrices but {len(qs)} Q's")
+    if not matrices:
+        return [], [], 0
+    ps = [m @ q for m, q in zip(matrices, qs)]
+    ps, p_bytes = dense_mean_arrays(ps, axis_name)
+    ps = [orthonormalize(p) for p in ps]
+    new_qs = [m.T @ p for m, p in zip(matrices, ps)]
+    new_qs, q_bytes = dense_mean_arrays(new_qs, axis_name)
+    outs = [p @ q.T for p, q in zip(ps, new_qs)]
+    return outs, new_qs, p_bytes + q_bytes
