@@ -18,17 +18,17 @@ from compjax.compressors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Collective",
+    "IdentityState",
+    "PowerSGDState",
+    "TopkState",
+    "__version__",
+    "audit_collectives",
     "codecs",
     "collectives",
-    "parallel",
-    "Collective",
-    "audit_collectives",
-    "payload_bytes",
-    "IdentityState",
     "identity",
-    "PowerSGDState",
+    "parallel",
+    "payload_bytes",
     "powersgd",
-    "TopkState",
     "topk",
-    "__version__",
 ]

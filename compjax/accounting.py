@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Collective", "payload_bytes", "audit_collectives", "COLLECTIVE_OPS"]
+__all__ = ["COLLECTIVE_OPS", "Collective", "audit_collectives", "payload_bytes"]
 
 #: HLO opcodes counted as collectives (async ``-start`` forms included; ``-done`` skipped).
 COLLECTIVE_OPS = (
@@ -134,8 +135,7 @@ def _parse_hlo(text: str):
     """Yield ``(name, type_text, opcode, operand_texts)`` for each instruction line."""
     for line in text.splitlines():
         line = line.strip()
-        if line.startswith("ROOT "):
-            line = line[5:]
+        line = line.removeprefix("ROOT ")
         m = re.match(r"%?([\w.\-]+)\s*=\s*", line)
         if not m:
             continue
@@ -189,7 +189,7 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     found = []
     for name, type_text, opcode, operands in _parse_hlo(text):
         types[name] = type_text
-        op = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+        op = opcode.removesuffix("-start")
         if op in COLLECTIVE_OPS:
             found.append((name, op, operands))
     out = []

@@ -17,7 +17,7 @@ The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +28,13 @@ from compjax.codecs.lowrank import orthonormalize
 AxisName = Hashable | None
 
 __all__ = [
-    "num_workers",
-    "worker_index",
     "dense_mean",
     "dense_mean_arrays",
-    "sparse_mean",
+    "like_varying",
     "lowrank_mean",
+    "num_workers",
+    "sparse_mean",
+    "worker_index",
 ]
 
 
@@ -53,6 +54,29 @@ def worker_index(axis_name: AxisName) -> jnp.ndarray:
     if axis_name is None:
         return jnp.zeros((), jnp.int32)
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def _varying_axes(x) -> frozenset:
+    """Manual axes over which ``x`` is typed as varying (JAX 0.10: ``manual_axis_type.varying``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))  # older JAX spelling
+
+
+def like_varying(x: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
+    """Type ``x`` as varying over the manual axes over which ``like`` varies (no data moves).
+
+    Under ``shard_map``'s varying-axes checks, a mean that came out of a
+    collective is invariant while state passed in with ``P(axis)`` is varying;
+    the two branches of a ``lax.cond`` must agree, so the invariant one is cast
+    (``jax.lax.pcast(..., to="varying")``).  Elsewhere (pmap, vmap, no axis) this
+    returns ``x`` unchanged.
+    """
+    want, have = _varying_axes(like), _varying_axes(x)
+    missing = tuple(sorted(set(want) - set(have), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def dense_mean(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
@@ -93,7 +117,7 @@ def dense_mean_arrays(
     by_dtype: dict[jnp.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
-    for _, idxs in by_dtype.items():
+    for idxs in by_dtype.values():
         bucket = make_bucket([arrays[i].shape for i in idxs])
         mean, nbytes = dense_mean(bucket.flatten([arrays[i] for i in idxs]), axis_name)
         total += nbytes

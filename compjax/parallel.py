@@ -11,21 +11,23 @@ collectives.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "data_parallel_step",
+    "init_worker_state",
     "make_mesh",
     "replicate",
-    "unreplicate",
     "shard_batch",
-    "init_worker_state",
-    "data_parallel_step",
+    "unreplicate",
 ]
 
 

@@ -9,7 +9,8 @@ concatenate/slice ops.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax.numpy as jnp
 

@@ -169,7 +169,9 @@ def powersgd(
                 # Dense leaves were sent whole: nothing remains.
                 decoded = [out[i] if i in set(lowrank) else acc[i] for i in range(len(leaves))]
                 residual = ef.remainder(jax.tree.unflatten(treedef, acc), jax.tree.unflatten(treedef, decoded))
-            return out, tuple(q.astype(o.dtype) for q, o in zip(new_qs, qs)), residual, b_lr + b_d
+            # Match the state's types so both branches of the start_step cond agree.
+            new_qs = tuple(collectives.like_varying(q.astype(o.dtype), o) for q, o in zip(new_qs, state.q))
+            return out, new_qs, residual, b_lr + b_d
 
         def uncompressed(_):
             out, nbytes = collectives.dense_mean_arrays(leaves, axis_name)

@@ -1,0 +1,77 @@
+"""Codecs: bucketing, top-k selection, matrix view and Gram-Schmidt against NumPy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compjax.codecs import (
+    from_matrix,
+    layer_k,
+    make_bucket,
+    matrix_shape,
+    orthonormalize,
+    to_matrix,
+    topk_select,
+    use_lowrank,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=5))
+def test_bucket_roundtrip(shapes):
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    bucket = make_bucket([a.shape for a in arrays])
+    flat = bucket.flatten([jnp.asarray(a) for a in arrays])
+    assert flat.shape == (sum(a.size for a in arrays),)
+    for a, b in zip(arrays, bucket.unflatten(flat)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "size,ratio,k", [(100, 0.01, 1), (100, 0.011, 2), (1000, 0.001, 1), (7, 1.0, 7), (10, 1e-9, 1), (3, 0.5, 2)]
+)
+def test_layer_k(size, ratio, k):
+    assert layer_k(size, ratio) == k
+
+
+def test_topk_select_matches_numpy():
+    x = np.random.default_rng(1).normal(size=(6, 7)).astype(np.float32)
+    idx, val = topk_select(jnp.asarray(x), 5)
+    want = np.argsort(-np.abs(x.ravel()))[:5]
+    assert set(np.asarray(idx).tolist()) == set(want.tolist())
+    np.testing.assert_array_equal(np.asarray(val), x.ravel()[np.asarray(idx)])
+    assert idx.dtype == jnp.int32
+
+
+def test_matrix_view_is_out_by_rest():
+    x = np.arange(3 * 3 * 2 * 4, dtype=np.float32).reshape(3, 3, 2, 4)  # flax conv (kh, kw, in, out)
+    assert matrix_shape(x.shape) == (4, 18)
+    m = np.asarray(to_matrix(jnp.asarray(x)))
+    np.testing.assert_array_equal(m, x.reshape(-1, 4).T)
+    np.testing.assert_array_equal(np.asarray(from_matrix(jnp.asarray(m), x.shape)), x)
+
+
+def test_use_lowrank_rule():
+    assert not use_lowrank((10,), 1, 0.0)  # vectors go dense
+    assert use_lowrank((100, 100), 2, 2.0)  # 200*2*2 = 800 < 10000
+    assert not use_lowrank((4, 4), 2, 2.0)  # 8*2*2 = 32 >= 16
+    assert use_lowrank((4, 4), 8, 0.0)  # rank clamps to 4, rate 0 always compresses
+
+
+def test_orthonormalize_matches_numpy_gram_schmidt():
+    p = np.random.default_rng(2).normal(size=(9, 3))
+    q = np.asarray(orthonormalize(jnp.asarray(p, jnp.float32)))
+    ref = np.zeros_like(p)
+    for i in range(3):  # classical textbook Gram-Schmidt in float64
+        v = p[:, i] - ref[:, :i] @ (ref[:, :i].T @ p[:, i])
+        ref[:, i] = v / np.linalg.norm(v)
+    np.testing.assert_allclose(q, ref, atol=1e-5)
+    np.testing.assert_allclose(q.T @ q, np.eye(3), atol=1e-5)
+
+
+def test_orthonormalize_zero_column_stays_finite():
+    q = np.asarray(orthonormalize(jnp.zeros((5, 2))))
+    assert np.all(np.isfinite(q)) and np.all(q == 0)

@@ -1,0 +1,60 @@
+"""The wire layer: each collective's result and its byte count, on one and on 8 workers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from compjax import collectives
+from tests.helpers import AXIS
+
+
+def test_dense_mean_one_worker_is_identity_and_counts_bytes():
+    x = jnp.arange(6.0).reshape(2, 3)
+    y, nbytes = collectives.dense_mean(x, None)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    assert nbytes == 24
+
+
+def test_dense_mean_arrays_buckets_by_dtype():
+    xs = np.random.default_rng(0).normal(size=(4, 10)).astype(np.float32)
+    hs = xs[:, :3].astype(np.float16)
+
+    def f(a, h):
+        (ma, mh), nbytes = collectives.dense_mean_arrays([a, h], AXIS)
+        return ma, mh, jnp.asarray(nbytes)
+
+    ma, mh, nbytes = jax.vmap(f, axis_name=AXIS)(xs, hs)
+    np.testing.assert_allclose(np.asarray(ma)[0], xs.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mh)[0], hs.astype(np.float32).mean(0), rtol=2e-3)
+    assert mh.dtype == jnp.float16
+    assert int(nbytes[0]) == 10 * 4 + 3 * 2
+
+
+def test_sparse_mean_scatter_adds_duplicates():
+    idx = np.array([[0, 2], [2, 3], [2, 2]], np.int32)
+    val = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+
+    def f(i, v):
+        out, nbytes = collectives.sparse_mean(i, v, 5, AXIS)
+        return out, jnp.asarray(nbytes)
+
+    out, nbytes = jax.vmap(f, axis_name=AXIS)(idx, val)
+    want = np.zeros(5, np.float32)
+    np.add.at(want, idx.ravel(), val.ravel())
+    np.testing.assert_allclose(np.asarray(out), np.stack([want / 3] * 3), rtol=1e-6)
+    assert int(nbytes[0]) == 2 * 4 + 2 * 4
+
+
+def test_lowrank_mean_full_rank_is_exact_mean():
+    rng = np.random.default_rng(3)
+    ms = rng.normal(size=(4, 5, 3)).astype(np.float32)  # 4 workers, (m, n) = (5, 3), rank 3 = n
+    q = rng.normal(size=(3, 3)).astype(np.float32)
+
+    def f(m):
+        (out,), (qn,), nbytes = collectives.lowrank_mean([m], [jnp.asarray(q)], AXIS)
+        return out, qn, jnp.asarray(nbytes)
+
+    out, qn, nbytes = jax.vmap(f, axis_name=AXIS)(ms)
+    np.testing.assert_allclose(np.asarray(out)[0], ms.mean(0), atol=1e-5)
+    assert int(nbytes[0]) == (5 * 3 + 3 * 3) * 4
+    np.testing.assert_allclose(np.asarray(qn)[0], np.asarray(qn)[3])  # Q is the same on every worker
