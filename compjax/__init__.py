@@ -4,7 +4,7 @@ Gradient compressors as optax transformations, the collectives that carry
 their payloads, exact byte accounting and data-parallel helpers.
 """
 
-from compjax import codecs, collectives, parallel
+from compjax import codecs, collectives, netmodel, parallel
 from compjax.accounting import Collective, audit_collectives, payload_bytes
 from compjax.compressors import (
     IdentityState,
@@ -27,6 +27,7 @@ __all__ = [
     "codecs",
     "collectives",
     "identity",
+    "netmodel",
     "parallel",
     "payload_bytes",
     "powersgd",
