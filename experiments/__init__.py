@@ -1,0 +1,1 @@
+"""Experiments built on compjax: the main job, data, models, reproductions and benchmarks."""

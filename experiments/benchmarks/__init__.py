@@ -1,0 +1,1 @@
+"""Benchmark scripts: speed numbers live here (JSON + markdown), never in timed tests."""

@@ -1,0 +1,76 @@
+"""The main job's pieces: IDX loader with checksums, registry, a short end-to-end run, the results table."""
+
+import gzip
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from experiments import compressors, data, results_table, train
+
+
+def write_idx(path, arr):
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    raw = header + arr.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw))
+    return raw
+
+
+def test_idx_parse_and_checksum(tmp_path, monkeypatch):
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    raw = write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", arr)
+    with pytest.raises(data.ChecksumError, match="MD5"):
+        data.load_file("t10k-images-idx3-ubyte", tmp_path)
+    monkeypatch.setitem(data.FILES, "t10k-images-idx3-ubyte", hashlib.md5(raw).hexdigest())
+    np.testing.assert_array_equal(data.load_file("t10k-images-idx3-ubyte", tmp_path), arr)
+
+
+def test_idx_rejects_bad_header():
+    with pytest.raises(ValueError, match="IDX"):
+        data.parse_idx(b"\x00\x00\x0d\x01\x00\x00\x00\x01\x00")
+    with pytest.raises(ValueError, match="header"):
+        data.parse_idx(bytes([0, 0, 8, 1, 0, 0, 0, 5, 1, 2]))
+
+
+def test_missing_files_say_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        data.load_file("train-labels-idx1-ubyte", tmp_path)
+
+
+def test_registry_builds_every_compressor():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    compressors.add_arguments(parser)
+    for name in compressors.REGISTRY:
+        args = parser.parse_args(["--compressor", name])
+        tx, opts = compressors.build(args, "data")
+        assert hasattr(tx, "init") and hasattr(tx, "update") and isinstance(opts, dict)
+
+
+def test_main_job_runs_and_writes_records(tmp_path):
+    out = tmp_path / "run.jsonl"
+    summary = train.main(["--compressor", "topk", "--ratio", "0.05", "--max-steps", "3", "--epochs", "1",
+                          "--train-limit", "2048", "--out", str(out), "--no-progress"])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["epoch", "summary"]
+    assert summary["steps"] == 3 and 0.0 <= summary["test_accuracy"] <= 1.0
+    # The ratio printed is measured from payload_bytes: topk sends k*(4+4) bytes per layer.
+    assert summary["compression_ratio"] == pytest.approx(summary["dense_bytes_per_step"] / lines[0]["payload_bytes_per_step"])
+    assert 5 < summary["compression_ratio"] < 20
+
+
+def test_results_table_regenerates_from_records(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, acc, nbytes in [("identity", 0.9, 800), ("topk", 0.89, 16)]:
+        rec = {"kind": "summary", "config": {"compressor": name, "options": {}, "epochs": 1, "workers": 8},
+               "test_accuracy": acc, "payload_bytes_mean_per_step": nbytes, "compression_ratio": 800 / nbytes,
+               "wall_s": 1.0}
+        (runs / f"{name}.jsonl").write_text(json.dumps({"kind": "epoch"}) + "\n" + json.dumps(rec) + "\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{results_table.START}\nold\n{results_table.END}\ny\n")
+    text = results_table.main(["--runs", str(runs), "--out", str(tmp_path / "t.md"), "--readme", str(readme)])
+    assert "| topk | — | 89.00% | -1.00 | 16 | 50.0× |" in text
+    assert "old" not in readme.read_text() and text in readme.read_text()
