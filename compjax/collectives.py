@@ -17,7 +17,7 @@ The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,10 @@ AxisName = Hashable | None
 __all__ = [
     "dense_mean",
     "dense_mean_arrays",
+    "gathered_mean",
     "like_varying",
     "lowrank_mean",
+    "max_over_workers",
     "num_workers",
     "sparse_mean",
     "worker_index",
@@ -79,12 +81,14 @@ def like_varying(x: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def dense_mean(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
+def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:
     """Mean of ``x`` over workers with one all-reduce (``psum`` then ``/ n``).
 
     Args:
       x: this worker's array, any shape and float dtype.
       axis_name: worker axis, or None for one worker.
+      prescale: divide by ``n`` before the sum instead of after, so a sum in a
+        narrow dtype (float16) cannot overflow: ``|sum_i x_i / n| <= max_i |x_i|``.
 
     Returns:
       ``(mean, payload_bytes)``: the mean, same shape and dtype as ``x``, and
@@ -92,12 +96,14 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
     """
     if axis_name is None:
         return x, _nbytes(x)
-    n = num_workers(axis_name)
-    return jax.lax.psum(x, axis_name) / jnp.asarray(n, x.dtype), _nbytes(x)
+    n = jnp.asarray(num_workers(axis_name), x.dtype)
+    if prescale:
+        return jax.lax.psum(x / n, axis_name), _nbytes(x)
+    return jax.lax.psum(x, axis_name) / n, _nbytes(x)
 
 
 def dense_mean_arrays(
-    arrays: Sequence[jnp.ndarray], axis_name: AxisName
+    arrays: Sequence[jnp.ndarray], axis_name: AxisName, *, prescale: bool = False
 ) -> tuple[list[jnp.ndarray], int]:
     """Mean over workers of several arrays, bucketed: one all-reduce per dtype.
 
@@ -107,6 +113,7 @@ def dense_mean_arrays(
     Args:
       arrays: this worker's arrays, any shapes; an empty sequence issues nothing.
       axis_name: worker axis, or None.
+      prescale: as in :func:`dense_mean`.
 
     Returns:
       ``(means, payload_bytes)``: the means in the input order and shapes, and
@@ -119,7 +126,7 @@ def dense_mean_arrays(
         by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
     for idxs in by_dtype.values():
         bucket = make_bucket([arrays[i].shape for i in idxs])
-        mean, nbytes = dense_mean(bucket.flatten([arrays[i] for i in idxs]), axis_name)
+        mean, nbytes = dense_mean(bucket.flatten([arrays[i] for i in idxs]), axis_name, prescale=prescale)
         total += nbytes
         for i, m in zip(idxs, bucket.unflatten(mean)):
             out[i] = m
@@ -198,3 +205,55 @@ def lowrank_mean(
     new_qs, q_bytes = dense_mean_arrays(new_qs, axis_name)
     outs = [p @ q.T for p, q in zip(ps, new_qs)]
     return outs, new_qs, p_bytes + q_bytes
+
+
+def gathered_mean(
+    payload: Sequence[jnp.ndarray], decode: Callable[..., list[jnp.ndarray]], axis_name: AxisName
+) -> tuple[list[jnp.ndarray], int]:
+    """Mean over workers of quantized payloads: all-gather them, decode every worker's, average.
+
+    Packed words and scales cannot be summed on the wire, so every worker's
+    payload arrays travel through ``jax.lax.all_gather`` (one collective per
+    payload array, e.g. one uint32 word buffer and one float32 scale buffer for
+    all layers) and each worker decodes all ``n`` payloads, accumulating in
+    float32 one worker at a time (``lax.fori_loop``: memory of one decoded copy).
+    Every worker ends with the same mean.
+
+    Args:
+      payload: this worker's payload arrays (any shapes/dtypes; empty ones are not sent).
+      decode: ``decode(*payload) -> list of arrays``, the decoder of one worker's payload.
+      axis_name: worker axis, or None (decode the own payload).
+
+    Returns:
+      ``(means, payload_bytes)``: float32 means of the decoded arrays and the
+      bytes of the all-gather operands.
+    """
+    payload = tuple(payload)
+    nbytes = sum(_nbytes(p) for p in payload)
+    if axis_name is None:
+        return [d.astype(jnp.float32) for d in decode(*payload)], nbytes
+    n = num_workers(axis_name)
+    sent = [i for i, p in enumerate(payload) if p.size]
+    gathered = {i: jax.lax.all_gather(payload[i], axis_name) for i in sent}
+
+    def one(w):
+        return [
+            d.astype(jnp.float32)
+            for d in decode(*[gathered[i][w] if i in gathered else p for i, p in enumerate(payload)])
+        ]
+
+    # Start from worker 0's decode (rather than zeros) so the loop carry has the
+    # decoded values' varying-axes type under shard_map.
+    total = jax.lax.fori_loop(1, n, lambda w, acc: [a + d for a, d in zip(acc, one(w))], one(0))
+    return [t / n for t in total], nbytes
+
+
+def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
+    """Elementwise max over workers with one all-reduce (``pmax``), e.g. TernGrad's shared scalers.
+
+    Returns:
+      ``(max, payload_bytes)``: same shape and dtype as ``x``; ``x.size * itemsize`` bytes.
+    """
+    if axis_name is None:
+        return x, _nbytes(x)
+    return jax.lax.pmax(x, axis_name), _nbytes(x)

@@ -69,3 +69,29 @@ register(
                               key=a.compressor_seed, axis_name=ax),
     lambda a: {"rank": a.rank, "start_step": a.start_step, "min_compression_rate": a.min_compression_rate},
 )
+
+# Quantizers (issue 3).
+register("onebit", (), lambda a, ax: cj.onebit(axis_name=ax))
+register(
+    "twobit",
+    (("--threshold", {"type": float, "default": 0.5, "help": "2-bit threshold (MXNet default 0.5)"}),),
+    lambda a, ax: cj.twobit(a.threshold, axis_name=ax),
+)
+register(
+    "terngrad",
+    (("--clip-sigma", {"type": float, "default": 2.5, "help": "TernGrad clipping at c*sigma"}), SEED),
+    lambda a, ax: cj.terngrad(key=a.compressor_seed, clip_sigma=a.clip_sigma, axis_name=ax),
+    lambda a: {"clip_sigma": a.clip_sigma},
+)
+register(
+    "qsgd",
+    (("--levels", {"type": int, "default": 256, "help": "QSGD quantization levels s"}), SEED),
+    lambda a, ax: cj.qsgd(a.levels, key=a.compressor_seed, axis_name=ax),
+    lambda a: {"levels": a.levels},
+)
+register("signsgd", (), lambda a, ax: cj.signsgd(axis_name=ax))
+register(
+    "cast",
+    (("--dtype", {"default": "bfloat16", "choices": ["bfloat16", "float16"], "help": "cast payload dtype"}),),
+    lambda a, ax: cj.cast(a.dtype, axis_name=ax),
+)

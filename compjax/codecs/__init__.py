@@ -5,18 +5,21 @@ Nothing here knows about workers or axis names; ``compjax.collectives`` moves
 the payloads and ``compjax.compressors`` adds error feedback and state.
 """
 
+from compjax.codecs import bitpack, quantize
 from compjax.codecs.bucket import Bucket, make_bucket
-from compjax.codecs.lowrank import matrix_shape, orthonormalize, to_matrix, from_matrix, use_lowrank
-from compjax.codecs.sparse import topk_select, layer_k
+from compjax.codecs.lowrank import from_matrix, matrix_shape, orthonormalize, to_matrix, use_lowrank
+from compjax.codecs.sparse import layer_k, topk_select
 
 __all__ = [
     "Bucket",
+    "bitpack",
+    "from_matrix",
+    "layer_k",
     "make_bucket",
     "matrix_shape",
     "orthonormalize",
+    "quantize",
     "to_matrix",
-    "from_matrix",
-    "use_lowrank",
     "topk_select",
-    "layer_k",
+    "use_lowrank",
 ]

@@ -6,15 +6,33 @@ Each factory returns an ``optax.GradientTransformationExtraArgs`` whose
 an int32 ``payload_bytes`` field.
 """
 
+from compjax.compressors.cast import CastState, cast
 from compjax.compressors.identity import IdentityState, identity
+from compjax.compressors.onebit import OnebitState, onebit
 from compjax.compressors.powersgd import PowerSGDState, powersgd
+from compjax.compressors.qsgd import QsgdState, qsgd
+from compjax.compressors.signsgd import SignsgdState, signsgd
+from compjax.compressors.terngrad import TerngradState, terngrad
 from compjax.compressors.topk import TopkState, topk
+from compjax.compressors.twobit import TwobitState, twobit
 
 __all__ = [
+    "CastState",
     "IdentityState",
-    "identity",
+    "OnebitState",
     "PowerSGDState",
-    "powersgd",
+    "QsgdState",
+    "SignsgdState",
+    "TerngradState",
     "TopkState",
+    "TwobitState",
+    "cast",
+    "identity",
+    "onebit",
+    "powersgd",
+    "qsgd",
+    "signsgd",
+    "terngrad",
     "topk",
+    "twobit",
 ]

@@ -37,6 +37,13 @@ COMPRESSORS: dict[str, Callable[[], object]] = {
     "topk(0.001)": lambda: cj.topk(0.001),
     "powersgd(rank=2)": lambda: cj.powersgd(rank=2),
     "powersgd(rank=4)": lambda: cj.powersgd(rank=4),
+    "onebit": lambda: cj.onebit(),
+    "twobit(0.5)": lambda: cj.twobit(0.5),
+    "terngrad": lambda: cj.terngrad(key=0),
+    "qsgd(256)": lambda: cj.qsgd(256, key=0),
+    "signsgd": lambda: cj.signsgd(),
+    "cast(float16)": lambda: cj.cast(jnp.float16),
+    "cast(bfloat16)": lambda: cj.cast(jnp.bfloat16),
 }
 
 #: extra sections: name -> function(args) -> list of row dicts (with "name" and "ms_median").
