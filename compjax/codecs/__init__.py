@@ -5,7 +5,7 @@ Nothing here knows about workers or axis names; ``compjax.collectives`` moves
 the payloads and ``compjax.compressors`` adds error feedback and state.
 """
 
-from compjax.codecs import bitpack, quantize
+from compjax.codecs import bitpack, quantize, threshold
 from compjax.codecs.bucket import Bucket, make_bucket
 from compjax.codecs.lowrank import from_matrix, matrix_shape, orthonormalize, to_matrix, use_lowrank
 from compjax.codecs.sparse import layer_k, topk_select
@@ -19,6 +19,7 @@ __all__ = [
     "matrix_shape",
     "orthonormalize",
     "quantize",
+    "threshold",
     "to_matrix",
     "topk_select",
     "use_lowrank",

@@ -1,0 +1,37 @@
+"""Sampled-threshold top-k (DGC's selection) returns exactly k entries, equal to exact top-k here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from compjax.codecs import topk_select
+from compjax.codecs.threshold import sample_size, sampled_topk
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "student_t2"])
+def test_sampled_selection_is_exact_k_and_keeps_the_mass(dist):
+    rng = np.random.default_rng(0)
+    n, k = 1_000_000, 1_000
+    x = rng.standard_normal(n) if dist == "gaussian" else rng.standard_t(2, n)
+    x = jnp.asarray(x, jnp.float32)
+    idx, val = jax.jit(lambda x, key: sampled_topk(x, k, 0.01, key))(x, jax.random.PRNGKey(1))
+    idx = np.asarray(idx)
+    assert idx.shape == (k,) and len(set(idx.tolist())) == k
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(x)[idx])
+    exact_idx, _ = topk_select(x, k)
+    mass = np.sum(np.asarray(x)[idx] ** 2) / np.sum(np.asarray(x)[np.asarray(exact_idx)] ** 2)
+    assert mass >= 0.95
+
+
+def test_fallback_when_threshold_cannot_settle():
+    # Many ties at the threshold: more than `capacity` entries pass, so exact top-k is used.
+    x = jnp.concatenate([jnp.ones(5000), jnp.zeros(5000)])
+    idx, val = sampled_topk(x, 10, 0.01, jax.random.PRNGKey(0), capacity=20)
+    assert idx.shape == (10,) and np.all(np.asarray(val) == 1.0) and len(set(np.asarray(idx).tolist())) == 10
+
+
+def test_sample_size():
+    assert sample_size(1_000_000, 1_000, 0.01) == 10_000
+    assert sample_size(1_000_000, 10, 0.01) == 200_000  # at least ~2/ratio
+    assert sample_size(50, 5, 0.01) == 20
