@@ -242,10 +242,20 @@ def gathered_mean(
             for d in decode(*[gathered[i][w] if i in gathered else p for i, p in enumerate(payload)])
         ]
 
-    # Start from worker 0's decode (rather than zeros) so the loop carry has the
-    # decoded values' varying-axes type under shard_map.
-    total = jax.lax.fori_loop(1, n, lambda w, acc: [a + d for a, d in zip(acc, one(w))], one(0))
+    # Zeros typed like the decoded values (varying over the axes they vary over
+    # under shard_map), so the loop carry keeps one type; the decoder appears
+    # once in the program.
+    zeros = [_zeros_like_typed(s) for s in jax.eval_shape(lambda: one(0))]
+    total = jax.lax.fori_loop(0, n, lambda w, acc: [a + d for a, d in zip(acc, one(w))], zeros)
     return [t / n for t in total], nbytes
+
+
+def _zeros_like_typed(s: jax.ShapeDtypeStruct) -> jnp.ndarray:
+    """Zeros of ``s``'s shape and dtype, varying over the manual axes ``s`` varies over."""
+    z = jnp.zeros(s.shape, s.dtype)
+    mat = getattr(s, "manual_axis_type", None)
+    axes = tuple(sorted(getattr(mat, "varying", None) or getattr(s, "vma", None) or (), key=str))
+    return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
 def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:

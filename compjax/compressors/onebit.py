@@ -20,7 +20,7 @@ class OnebitState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory Δ, same tree as the params.
-      payload_bytes: int32 scalar: ``4 * ceil(num_params / 32)`` bytes of packed
+      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 32)`` bytes of packed
         signs + ``4 * 2 * columns`` bytes of reconstruction values, last step.
     """
 

@@ -11,7 +11,7 @@ import optax
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors.quantized import as_key, quantized_mean, step_key
+from compjax.compressors.quantized import as_key, quantized_mean, step_uniforms
 
 
 class QsgdState(NamedTuple):
@@ -29,25 +29,32 @@ class QsgdState(NamedTuple):
     payload_bytes: jnp.ndarray
 
 
-def qsgd(levels: int = 256, *, key=0, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def qsgd(levels: int = 256, *, key, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
     """QSGD with ``levels`` quantization levels per layer, unbiased.
 
     Alistarh et al. 2017, Sec. 3.1: ``Q_s(v)_i = ‖v‖₂ · sign(v_i) · ξ_i(v, s)``
     with ``ξ_i`` the stochastic rounding of ``s|v_i|/‖v‖₂`` to a neighbouring
     level ``l/s``.  Each element is sent in the fewest whole bits that hold the
     levels ``0..s`` plus a sign (``ceil(log2(s+1)) + 1``: 10 bits for s = 256,
-    3 bits for s = 2) and the layer norm as float32; Elias coding is not used.
+    3 bits for s = 2; packed as bit fields, see :mod:`compjax.codecs.bitpack`)
+    and the layer norm as float32; the paper's Elias coding is not used.  All
+    layers' words go in one all-gathered buffer and the norms in another.
+    Worker ``w`` at step ``t`` draws its uniforms for all layers at once from
+    ``fold_in(fold_in(key, t), w)``.  No error feedback (QSGD is unbiased).
 
     Args:
       levels: number of quantization levels s, an integer >= 2 (default 256).
-      key: int seed or PRNG key.
+      key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
+        every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
+        (:func:`compjax.compressors.quantized.step_uniforms`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
       ``optax.GradientTransformationExtraArgs``.
 
     Raises:
-      ValueError: ``levels < 2`` or not an integer (build time).
+      ValueError: ``levels < 2`` or not an integer, or a ``key`` that is not a seed
+        or PRNG key (build time).
 
     References:
       Alistarh, Grubic, Li, Tomioka & Vojnovic, "QSGD: Communication-Efficient
@@ -69,10 +76,10 @@ def qsgd(levels: int = 256, *, key=0, axis_name: AxisName = None) -> optax.Gradi
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
-        k = step_key(state.key, state.count, axis_name)
+        u = step_uniforms(state.key, state.count, axis_name, leaves)
         means, _, nbytes = quantized_mean(
             leaves,
-            lambda i, x: q.qsgd_encode(x, levels, jax.random.fold_in(k, i)),
+            lambda i, x: q.qsgd_encode(x, levels, u[i]),
             lambda i, c, s, shape: q.qsgd_decode(c, s, levels, shape),
             bits,
             axis_name,

@@ -20,7 +20,7 @@ class SignsgdState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory e (None when ``error_feedback=False``).
-      payload_bytes: int32 scalar: ``4 * ceil(num_params / 32)`` bytes of signs
+      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 32)`` bytes of signs
         + 4 bytes of scale per layer, last step.
     """
 
@@ -31,15 +31,18 @@ class SignsgdState(NamedTuple):
 def signsgd(*, error_feedback: bool = True, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
     """EF-signSGD: send ``(‖p‖₁/d)·sign(p)`` per layer, keep what was not sent.
 
-    Karimireddy, Rebjock, Stich & Jaggi 2019, Algorithm 2 (EF-SGD with the
-    scaled-sign compressor)::
+    Karimireddy, Rebjock, Stich & Jaggi 2019, Algorithm 1 (EF-SIGNSGD), per
+    worker and layer of ``d`` entries::
 
         p = g + e
         sent = (‖p‖₁ / d) · sign(p)     (1 bit per element + one float per layer)
         e = p - sent
 
-    Signs go 32 per uint32 word; all layers in one buffer, scales in another,
-    all-gathered; each worker decodes all and averages.
+    The paper folds the learning rate into ``p = γ g + e``; here the
+    compressor runs before the optax optimizer, so ``e`` is in gradient units
+    (the same for a constant learning rate).  Signs go 32 per uint32 word; all
+    layers in one buffer and the scales in another, all-gathered (2 collectives
+    per step); each worker decodes every worker's payload and averages.
 
     Args:
       error_feedback: keep ``e`` (else plain scaled signSGD).

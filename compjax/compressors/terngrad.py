@@ -12,7 +12,7 @@ from compjax import collectives
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors.quantized import as_key, quantized_mean, step_key
+from compjax.compressors.quantized import as_key, quantized_mean, step_uniforms
 
 
 class TerngradState(NamedTuple):
@@ -21,7 +21,7 @@ class TerngradState(NamedTuple):
     Attributes:
       key: uint32 ``(2,)`` PRNG key (the same on every worker; steps and workers fold in).
       count: int32 scalar, number of updates done.
-      payload_bytes: int32 scalar: ``4 * ceil(num_params / 16)`` bytes of 2-bit
+      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 16)`` bytes of 2-bit
         codes + ``4 * num_layers`` bytes of scalers (the max all-reduce), last step.
     """
 
@@ -30,21 +30,30 @@ class TerngradState(NamedTuple):
     payload_bytes: jnp.ndarray
 
 
-def terngrad(*, key=0, clip_sigma: float = 2.5, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def terngrad(*, key, clip_sigma: float = 2.5, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
     """TernGrad: each layer clipped at ``clip_sigma·σ``, ternarized with a scaler shared by all workers.
 
-    Wen et al. 2017, Eq. 2 with the layer-wise scaler and gradient clipping of Sec. 3.3::
+    Wen et al. 2017, Sec. 3 (stochastic ternarization with a layer-wise scaler,
+    scaler sharing across workers and gradient clipping), per worker and layer::
 
-        g = clip(g, -cσ, cσ)                 (σ: std of the layer's entries)
-        s = max over workers of max|g|       (one all-reduce of all layers' scalers)
-        b ~ Bernoulli(|g| / s)
-        sent = s · sign(g) · b               (2-bit codes, 16 per uint32 word)
+        g = clip(g, -cσ, cσ)                 (σ: std of this worker's layer entries)
+        s = max over workers of max|g|       (one pmax all-reduce of all layers' scalers)
+        b ~ Bernoulli(|g| / s)               (u < |g| / s, u uniform)
+        sent = s · sign(g) ∘ b               (2-bit codes, 16 per uint32 word)
 
-    Unbiased for the clipped gradient: ``E[sent] = clip(g)``.  Randomness is
-    keyed by (key, step, worker index).  No error feedback (as in the paper).
+    ``E[sent] = clip(g)``: unbiased for the clipped gradient.  All layers' codes
+    travel in one all-gathered uint32 buffer; each worker decodes every worker's
+    codes with the shared scalers and averages, so a step issues 2 collectives.
+    Worker ``w`` at step ``t`` draws its uniforms for all layers at once from
+    ``fold_in(fold_in(key, t), w)`` (in leaf order).  No error feedback (as in the
+    paper).  Choices: the scaler is ``max|clip(g)|`` as in the paper's text (the
+    authors' code uses ``c·σ`` when clipping, equally unbiased); every layer is
+    ternarized, the logit layer included (the authors' code can leave it in float).
 
     Args:
-      key: int seed or PRNG key.
+      key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
+        every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
+        (:func:`compjax.compressors.quantized.step_uniforms`).
       clip_sigma: positive float c of the clipping at ``c·σ`` (paper: 2.5).
       axis_name: worker axis, or None for one worker.
 
@@ -52,7 +61,7 @@ def terngrad(*, key=0, clip_sigma: float = 2.5, axis_name: AxisName = None) -> o
       ``optax.GradientTransformationExtraArgs``.
 
     Raises:
-      ValueError: ``clip_sigma <= 0`` (build time).
+      ValueError: ``clip_sigma <= 0`` or a ``key`` that is not a seed or PRNG key (build time).
 
     References:
       Wen, Xu, Yan, Wu, Wang, Chen & Li, "TernGrad: Ternary Gradients to Reduce
@@ -76,10 +85,10 @@ def terngrad(*, key=0, clip_sigma: float = 2.5, axis_name: AxisName = None) -> o
         clipped = [q.terngrad_clip(x, clip_sigma) for x in leaves]
         local_max = jnp.stack([jnp.max(jnp.abs(x)) for x in clipped]) if clipped else jnp.zeros((0,))
         scalers, s_bytes = collectives.max_over_workers(local_max, axis_name)
-        k = step_key(state.key, state.count, axis_name)
+        u = step_uniforms(state.key, state.count, axis_name, leaves)
         means, _, c_bytes = quantized_mean(
             clipped,
-            lambda i, x: (q.terngrad_encode(x, scalers[i], jax.random.fold_in(k, i)), jnp.zeros((0,), jnp.float32)),
+            lambda i, x: (q.terngrad_encode(x, scalers[i], u[i]), jnp.zeros((0,), jnp.float32)),
             lambda i, c, s, shape: q.terngrad_decode(c, scalers[i], shape),
             2,
             axis_name,

@@ -20,7 +20,8 @@ class TwobitState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory, same tree as the params.
-      payload_bytes: int32 scalar, ``4 * ceil(num_params / 16)`` bytes last step.
+      payload_bytes: int32 scalar, ``4 * sum_layers ceil(size / 16)`` bytes last step
+        (each layer's codes start at a word boundary, as MXNet packs each array).
     """
 
     residual: Any
@@ -32,9 +33,10 @@ def twobit(threshold: float = 0.5, *, axis_name: AxisName = None) -> optax.Gradi
 
     On ``p = g + residual``: code ``11`` where ``p >= threshold`` (decodes to
     ``+threshold``), ``10`` where ``p <= -threshold`` (``-threshold``), ``00``
-    otherwise (0); ``residual = p - decoded``.  16 codes per uint32 word, all
-    layers in one buffer: exactly 16x fewer bytes than float32 when the number
-    of parameters is a multiple of 16.  No scales travel (the threshold is known).
+    otherwise (0); ``residual = p - decoded``.  16 codes per uint32 word, each
+    layer starting at a word boundary, all layers in one buffer (one all-gather
+    per step): exactly 16x fewer bytes than float32 when every layer's size is a
+    multiple of 16.  No scales travel (the threshold is known).
     MXNet compressed only worker-to-server traffic; here every worker's words are
     all-gathered and each worker decodes all.
 
