@@ -19,20 +19,27 @@ class Entry(NamedTuple):
     options: tuple  # ((flag, argparse kwargs), ...)
     build: Callable[[argparse.Namespace, str], optax.GradientTransformation]
     describe: Callable[[argparse.Namespace], dict]
+    momentum_inside: bool = False  # the compressor carries the momentum (DGC): the optimizer after it has none
 
 
 REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, options: tuple, build: Callable, describe: Callable | None = None) -> None:
-    """Register ``name`` with its ``options`` ((flag, kwargs), ...) and ``build(args, axis_name)``."""
+def register(
+    name: str, options: tuple, build: Callable, describe: Callable | None = None, *, momentum_inside: bool = False
+) -> None:
+    """Register ``name`` with its ``options`` ((flag, kwargs), ...) and ``build(args, axis_name)``.
+
+    ``momentum_inside``: the compressor applies ``args.momentum`` itself (DGC's
+    momentum correction), so the main job chains a plain SGD after it.
+    """
     if describe is None:
         keys = [flag.lstrip("-").replace("-", "_") for flag, _ in options]
 
         def describe(args, keys=keys):
             return {k: getattr(args, k) for k in keys}
 
-    REGISTRY[name] = Entry(tuple(options), build, describe)
+    REGISTRY[name] = Entry(tuple(options), build, describe, momentum_inside)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +59,43 @@ def build(args: argparse.Namespace, axis_name: str) -> tuple[optax.GradientTrans
     return entry.build(args, axis_name), entry.describe(args)
 
 
+def momentum_inside(name: str) -> bool:
+    """Whether compressor ``name`` carries the momentum itself (then the optimizer after it has none)."""
+    return REGISTRY[name].momentum_inside
+
+
 RATIO = ("--ratio", {"type": float, "default": 0.01, "help": "kept fraction per layer (topk, randomk, dgc)"})
 SEED = ("--compressor-seed", {"type": int, "default": 0, "help": "seed of the compressor's randomness"})
 
 register("identity", (), lambda a, ax: cj.identity(axis_name=ax))
 register("topk", (RATIO,), lambda a, ax: cj.topk(a.ratio, axis_name=ax))
+register(
+    "randomk",
+    (RATIO, SEED),
+    lambda a, ax: cj.randomk(a.ratio, key=a.compressor_seed, axis_name=ax),
+    lambda a: {"ratio": a.ratio},
+)
+register(
+    "dgc",
+    (
+        RATIO,
+        ("--nesterov", {"action": "store_true", "help": "DGC: Nesterov momentum correction"}),
+        ("--clip-norm", {"type": float, "default": None, "help": "DGC: local clipping at clip_norm / sqrt(workers)"}),
+        ("--sparsity-warmup-steps", {"type": int, "default": 0, "help": "DGC: steps of sparsity warm-up (4 stages)"}),
+        ("--sample-ratio", {"type": float, "default": 0.01, "help": "DGC: fraction sampled for the threshold"}),
+        ("--exact-topk", {"action": "store_true", "help": "DGC: exact top-k instead of the sampled threshold"}),
+        ("--no-momentum-masking", {"action": "store_true", "help": "DGC: do not zero the momentum where sent"}),
+        SEED,
+    ),
+    lambda a, ax: cj.dgc(a.ratio, momentum=a.momentum, nesterov=a.nesterov, clip_norm=a.clip_norm,
+                         warmup_steps=a.sparsity_warmup_steps, sample_ratio=None if a.exact_topk else a.sample_ratio,
+                         momentum_masking=not a.no_momentum_masking, key=a.compressor_seed, axis_name=ax),
+    lambda a: {"ratio": a.ratio, "momentum": a.momentum, "nesterov": a.nesterov, "clip_norm": a.clip_norm,
+               "sparsity_warmup_steps": a.sparsity_warmup_steps,
+               "sample_ratio": None if a.exact_topk else a.sample_ratio,
+               "momentum_masking": not a.no_momentum_masking},
+    momentum_inside=True,
+)
 register(
     "powersgd",
     (

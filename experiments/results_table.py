@@ -46,8 +46,8 @@ def table(summaries: list[dict]) -> str:
     base = next((s["test_accuracy"] for s in summaries if s["config"]["compressor"] == "identity"), None)
     lines = [
         ("| compressor | options | test accuracy | Δ vs identity (points) | payload bytes/step/worker | "
-        "compression ratio | epochs | lr | workers | wall time (s) |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "compression ratio | epochs | lr | momentum | workers | wall time (s) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         c = s["config"]
@@ -56,7 +56,8 @@ def table(summaries: list[dict]) -> str:
         ratio = f"{s['compression_ratio']:.1f}×" if s.get("compression_ratio") else "—"
         lines.append(
             f"| {c['compressor']} | {opts} | {100 * s['test_accuracy']:.2f}% | {delta} | "
-            f"{s['payload_bytes_mean_per_step']:,.0f} | {ratio} | {c['epochs']} | {c.get('lr', '—')} | {c['workers']} | "
+            f"{s['payload_bytes_mean_per_step']:,.0f} | {ratio} | {c['epochs']} | {c.get('lr', '—')} | "
+            f"{c.get('momentum', '—')} | {c['workers']} | "
             f"{s['wall_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The main job: data-parallel training of a Flax NNX CNN on Fashion-MNIST with a chosen compressor.
 
     python -m experiments.train [--compressor NAME] [options]
+    python -m experiments.train --dataset cifar10 --model resnet20 --augment ...   (for accelerators)
 
 Runs on every available device (8 simulated CPU workers when there is no
 accelerator).  Prints per-epoch test accuracy, payload bytes per step per worker
@@ -30,9 +31,11 @@ from tqdm import tqdm
 
 import compjax as cj
 from compjax import parallel
-from experiments import compressors, data, models
+from experiments import cifar10, compressors, data, models
 
 AXIS = "data"
+#: dataset name -> loader ``(root, download=) -> (x_train, y_train, x_test, y_test)``.
+DATASETS = {"fashion_mnist": data.load_fashion_mnist, "cifar10": cifar10.load_cifar10}
 RESULTS = Path(__file__).resolve().parent / "results" / "runs"
 
 
@@ -43,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the workers")
     p.add_argument("--lr", type=float, default=0.05, help="peak SGD learning rate (cosine decay)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay added to the averaged gradient")
+    p.add_argument("--dataset", default="fashion_mnist", choices=sorted(DATASETS))
+    p.add_argument("--model", default="cnn", choices=sorted(models.MODELS))
+    p.add_argument("--augment", action="store_true", help="random crop (pad 4) and horizontal flip (CIFAR-10)")
     p.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="default: every device")
@@ -56,16 +63,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def optimizer(args, steps_total: int) -> optax.GradientTransformation:
+    """SGD with linear warm-up and cosine decay; no momentum after a compressor that carries it (DGC)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, min(args.warmup_steps, max(1, steps_total - 1)), max(steps_total, 2)
     )
-    return optax.sgd(schedule, momentum=args.momentum)
+    momentum = None if compressors.momentum_inside(args.compressor) else args.momentum
+    sgd = optax.sgd(schedule, momentum=momentum)
+    return optax.chain(optax.add_decayed_weights(args.weight_decay), sgd) if args.weight_decay else sgd
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.time()
-    x_train, y_train, x_test, y_test = data.load_fashion_mnist(args.data_dir, download=args.download)
+    x_train, y_train, x_test, y_test = DATASETS[args.dataset](args.data_dir, download=args.download)
     if args.train_limit:
         x_train, y_train = x_train[: args.train_limit], y_train[: args.train_limit]
     mesh = parallel.make_mesh(args.workers, AXIS)
@@ -78,7 +88,7 @@ def main(argv=None) -> dict:
     if args.max_steps is not None:
         steps_total = min(steps_total, args.max_steps)
 
-    params, apply, loss_fn = models.build(args.seed)
+    params, apply, loss_fn = models.build(args.seed, model=args.model)
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     dense_bytes = 4 * num_params  # identity's float32 all-reduce payload
     compressor, comp_opts = compressors.build(args, AXIS)
@@ -90,7 +100,8 @@ def main(argv=None) -> dict:
 
     out = args.out or RESULTS / f"{args.compressor}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"compressor": args.compressor, "options": comp_opts, "epochs": args.epochs,
+    config = {"compressor": args.compressor, "options": comp_opts, "dataset": args.dataset, "model": args.model,
+              "epochs": args.epochs, "weight_decay": args.weight_decay, "augment": args.augment,
               "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
               "warmup_steps": args.warmup_steps, "seed": args.seed, "workers": n,
               "train_images": len(x_train), "num_params": num_params, "backend": jax.default_backend()}
@@ -109,7 +120,8 @@ def main(argv=None) -> dict:
                 if done >= steps_total:
                     break
                 idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
-                batch = parallel.shard_batch((x_train[idx], y_train[idx]), mesh, AXIS)
+                x = cifar10.random_crop_flip(x_train[idx], rng) if args.augment else x_train[idx]
+                batch = parallel.shard_batch((x, y_train[idx]), mesh, AXIS)
                 p, s, loss = step(p, s, batch)
                 loss = jax.block_until_ready(loss)  # one collective step in flight at a time (CPU)
                 bytes_per_step = int(np.asarray(cj.payload_bytes(s))[0])

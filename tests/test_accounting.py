@@ -45,6 +45,8 @@ COMPRESSORS = {
     "identity": lambda: cj.identity(axis_name=AXIS),
     "topk": lambda: cj.topk(0.05, axis_name=AXIS),
     "powersgd": lambda: cj.powersgd(rank=2, axis_name=AXIS),
+    "randomk": lambda: cj.randomk(0.05, key=0, axis_name=AXIS),
+    "dgc": lambda: cj.dgc(0.05, clip_norm=1.0, axis_name=AXIS),
 }
 
 
@@ -80,6 +82,7 @@ def test_compression_shows_in_audited_bytes(mesh):
     n_params = sum(x.size for x in jax.tree.leaves(params))
     assert audited["identity"] == 4 * n_params
     assert audited["topk"] < audited["identity"] / 5
+    assert audited["randomk"] == audited["topk"] == audited["dgc"]  # same k per layer, 8 bytes per entry
     assert audited["powersgd"] < audited["identity"] / 2
 
 

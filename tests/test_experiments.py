@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -39,14 +40,14 @@ def test_missing_files_say_how_to_get_them(tmp_path):
 
 
 def test_registry_builds_every_compressor():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    compressors.add_arguments(parser)
     for name in compressors.REGISTRY:
-        args = parser.parse_args(["--compressor", name])
+        args = train.parse_args(["--compressor", name])  # the main job's parser (DGC takes its --momentum)
         tx, opts = compressors.build(args, "data")
         assert hasattr(tx, "init") and hasattr(tx, "update") and isinstance(opts, dict)
+        # A compressor that carries the momentum is followed by SGD without one.
+        sgd_state = train.optimizer(args, 100).init({"w": np.zeros(3)})
+        has_trace = any(type(s).__name__ == "TraceState" for s in jax.tree.leaves(sgd_state, is_leaf=lambda x: hasattr(x, "_fields")))
+        assert has_trace == (not compressors.momentum_inside(name))
 
 
 def test_main_job_runs_and_writes_records(tmp_path):

@@ -35,3 +35,30 @@ def test_sample_size():
     assert sample_size(1_000_000, 1_000, 0.01) == 10_000
     assert sample_size(1_000_000, 10, 0.01) == 200_000  # at least ~2/ratio
     assert sample_size(50, 5, 0.01) == 20
+
+
+@pytest.mark.parametrize("size,k", [(100_003, 100), (65_536, 7), (250_000, 2_000)])
+def test_equals_exact_topk_when_it_settles_including_the_tail(size, k):
+    rng = np.random.default_rng(size)
+    x = rng.standard_normal(size).astype(np.float32)
+    x[-3:] = [50.0, -60.0, 70.0]  # the largest entries sit in the tail (size % 32 entries)
+    idx, val = jax.jit(lambda x, key: sampled_topk(x, k, 0.01, key))(jnp.asarray(x), jax.random.PRNGKey(2))
+    exact_idx, _ = topk_select(jnp.asarray(x), k)
+    assert set(np.asarray(idx).tolist()) == set(np.asarray(exact_idx).tolist())
+    assert {size - 3, size - 2, size - 1} <= set(np.asarray(idx).tolist())
+    np.testing.assert_array_equal(np.asarray(val), x[np.asarray(idx)])
+
+
+def test_threshold_is_refined_from_a_bad_sample():
+    # A sample that sees only the bulk: the few large entries sit between the sampled positions.
+    x = np.full(1_000_000, 1e-3, np.float32)
+    x[np.arange(1, 1_000_000, 997)] = np.linspace(1.0, 2.0, len(range(1, 1_000_000, 997)))
+    k = 500
+    idx, _ = sampled_topk(jnp.asarray(x), k, 0.01, jax.random.PRNGKey(0))
+    exact_idx, _ = topk_select(jnp.asarray(x), k)
+    assert set(np.asarray(idx).tolist()) == set(np.asarray(exact_idx).tolist())
+
+
+def test_bad_k():
+    with pytest.raises(ValueError, match="k must be"):
+        sampled_topk(jnp.ones(10), 0, 0.01, jax.random.PRNGKey(0))

@@ -8,7 +8,7 @@ the payloads and ``compjax.compressors`` adds error feedback and state.
 from compjax.codecs import bitpack, quantize, threshold
 from compjax.codecs.bucket import Bucket, make_bucket
 from compjax.codecs.lowrank import from_matrix, matrix_shape, orthonormalize, to_matrix, use_lowrank
-from compjax.codecs.sparse import layer_k, topk_select
+from compjax.codecs.sparse import layer_k, randomk_select, topk_select, zero_at
 
 __all__ = [
     "Bucket",
@@ -19,8 +19,10 @@ __all__ = [
     "matrix_shape",
     "orthonormalize",
     "quantize",
+    "randomk_select",
     "threshold",
     "to_matrix",
     "topk_select",
     "use_lowrank",
+    "zero_at",
 ]

@@ -46,3 +46,28 @@ def topk_select(x: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     _, idx = jax.lax.top_k(jnp.abs(flat), k)
     idx = idx.astype(jnp.int32)
     return idx, flat[idx]
+
+
+def zero_at(x: jnp.ndarray, indices: jnp.ndarray) -> jnp.ndarray:
+    """``x`` with the entries at flat ``indices`` (int32, into ``x.ravel()``) set to 0; same shape and dtype."""
+    return jnp.ravel(x).at[indices].set(0).reshape(x.shape)
+
+
+def randomk_select(x: jnp.ndarray, k: int, key: jax.Array) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Select ``k`` distinct entries of ``x`` uniformly at random (without replacement).
+
+    Args:
+      x: array of any shape, float dtype.
+      k: static number of entries, ``1 <= k <= x.size``.
+      key: PRNG key.
+
+    Returns:
+      ``(indices, values)``: int32 ``(k,)`` flat indices into ``x.ravel()`` and the
+      ``(k,)`` values there, dtype ``x.dtype``.  Each entry is chosen with
+      probability ``k / x.size``.
+    """
+    flat = jnp.ravel(x)
+    if k == flat.size:
+        return jnp.arange(flat.size, dtype=jnp.int32), flat
+    idx = jax.random.choice(key, flat.size, (k,), replace=False).astype(jnp.int32)
+    return idx, flat[idx]

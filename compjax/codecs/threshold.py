@@ -1,13 +1,28 @@
 """Top-k selection through a sampled threshold (Lin et al., ICLR 2018, Sec. 3.2 and reference code).
 
-Exact ``jax.lax.top_k`` on millions of entries sorts; DGC instead estimates the
-threshold from a small sample of ``|x|``, keeps the candidates above it and
-takes the exact top ``k`` among those.  Whenever between ``k`` and ``capacity``
-entries pass the threshold, every true top-k entry is a candidate, so the
-result **equals** exact top-k; the threshold is adjusted (x0.8 down, x1.25 up,
-at most ``max_iters`` times, as in the authors' code) until that holds, and
-otherwise the selection falls back to exact ``lax.top_k``.  Shapes are static
-(``capacity`` candidates), so the output is always exactly ``k`` entries.
+Exact ``jax.lax.top_k`` over millions of entries costs several passes over the
+data on CPU; DGC instead estimates the threshold from a small sample of ``|x|``
+and keeps the entries above it.  Here the candidates are found without
+compacting the whole array (a prefix sum over millions of flags costs more than
+the top-k it replaces):
+
+1. **block maxima** -- one pass: ``bmax[b] = max |x[b*B:(b+1)*B]|`` for blocks of
+   ``B = block`` entries (the last ``size % B`` entries, the tail, are always
+   candidates);
+2. **sampled threshold** -- ``thr`` is the ``k'``-th largest of a strided sample of
+   ``|x|`` (random start; ``k' = ceil(samples * k / size)``), as in DGC;
+3. **refinement on the block maxima** -- ``thr`` is moved (x0.8 down, x1.25 up,
+   then bisection between the last values that were too low and too high) until
+   ``k <= #{b : bmax[b] >= thr} <= capacity`` blocks, at most ``max_iters``
+   times: each try counts ``size / B`` block maxima, not ``size`` entries;
+4. **exact top-k among the candidates** -- the ``capacity`` candidate blocks are
+   gathered, and ``jax.lax.top_k`` runs on their ``capacity * B`` entries and the tail.
+
+When step 3 settles, at least ``k`` entries reach ``thr`` (one per candidate
+block), so every true top-k entry lies in a candidate block: the result
+**equals** exact top-k (ties aside).  When it does not settle (e.g. many equal
+magnitudes), the selection falls back to exact ``lax.top_k`` over everything.
+Shapes are static, so the output is always exactly ``k`` entries.
 """
 
 from __future__ import annotations
@@ -26,7 +41,14 @@ def sample_size(size: int, k: int, sample_ratio: float) -> int:
 
 
 def sampled_topk(
-    x: jnp.ndarray, k: int, sample_ratio: float, key: jax.Array, *, capacity: int | None = None, max_iters: int = 10
+    x: jnp.ndarray,
+    k: int,
+    sample_ratio: float,
+    key: jax.Array,
+    *,
+    block: int = 32,
+    capacity: int | None = None,
+    max_iters: int = 20,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The ``k`` entries of largest magnitude of ``x``, found through a sampled threshold.
 
@@ -35,50 +57,77 @@ def sampled_topk(
       k: static number of entries to keep, ``1 <= k <= x.size``.
       sample_ratio: fraction of entries sampled to estimate the threshold, in (0, 1].
       key: PRNG key of the sample's random start (strided sample).
-      capacity: static number of candidates kept (default ``min(size, 4 k)``).
+      block: entries per block of the block maxima (static).
+      capacity: static number of candidate blocks gathered (default ``ceil(1.25 k)``,
+        at least ``k``).
       max_iters: threshold adjustments before falling back to exact top-k.
 
     Returns:
-      ``(indices, values)``: int32 ``(k,)`` flat indices and ``(k,)`` values,
-      the same set as :func:`compjax.codecs.topk_select` (ties aside).
+      ``(indices, values)``: int32 ``(k,)`` flat indices into ``x.ravel()`` and the
+      ``(k,)`` values there (``x.dtype``), the same set as
+      :func:`compjax.codecs.topk_select` (ties aside), in decreasing magnitude.
+
+    Raises:
+      ValueError: ``k`` outside ``[1, x.size]``, or ``block``/``capacity`` < 1.
     """
     flat = jnp.ravel(x)
-    size = flat.size
-    mag = jnp.abs(flat)
-    capacity = min(size, 4 * k) if capacity is None else min(size, max(capacity, k))
-    if k >= size or capacity >= size:
-        _, idx = jax.lax.top_k(mag, k)
-        idx = idx.astype(jnp.int32)
-        return idx, flat[idx]
+    size = int(flat.size)
+    if not 1 <= k <= size:
+        raise ValueError(f"k must be in [1, {size}], got {k}")
+    if block < 1 or (capacity is not None and capacity < 1):
+        raise ValueError(f"block and capacity must be >= 1, got {block} and {capacity}")
+    nb = size // block
+    capacity = max(k, math.ceil(1.25 * k) if capacity is None else capacity)
+    if capacity * block >= size // 2:  # nothing to gain over exact top-k
+        return _exact(flat, k)
+    main = nb * block
+    bmax = jnp.max(jnp.abs(flat[:main].reshape(nb, block)), axis=1)
+
+    # Sampled threshold (DGC): the k'-th largest of a strided sample with a random start.
     n_s = sample_size(size, k, sample_ratio)
     stride = size // n_s
     start = jax.random.randint(key, (), 0, stride)
-    sample = jax.lax.dynamic_slice(mag, (start,), ((n_s - 1) * stride + 1,))[::stride]
+    sample = jnp.abs(flat[start + jnp.arange(n_s) * stride])
     k_s = max(1, math.ceil(n_s * k / size))
-    thr0 = jax.lax.top_k(sample, k_s)[0][-1]
+    thr0 = jax.lax.top_k(sample, k_s)[0][-1].astype(jnp.float32)
 
     def count(thr):
-        return jnp.sum(mag >= thr)
+        return jnp.sum(bmax >= thr.astype(bmax.dtype)).astype(jnp.int32)
 
     def adjust(carry):
-        thr, c, it = carry
-        thr = jnp.where(c < k, thr * 0.8, thr * 1.25)
-        return thr, count(thr), it + 1
+        thr, too_low, too_high, c, it = carry  # too_low: a thr with > capacity blocks; too_high: < k
+        up = c > capacity
+        too_low = jnp.where(up, thr, too_low)
+        too_high = jnp.where(up, too_high, thr)
+        bracketed = (too_low > 0) & jnp.isfinite(too_high)
+        guess = jnp.where(up, thr * 1.25, thr * 0.8)
+        thr = jnp.where(bracketed, jnp.sqrt(too_low * too_high), guess)
+        return thr, too_low, too_high, count(thr), it + 1
 
-    def keep_going(carry):
-        _, c, it = carry
+    def unsettled(carry):
+        _, _, _, c, it = carry
         return ((c < k) | (c > capacity)) & (it < max_iters)
 
-    thr, c, _ = jax.lax.while_loop(keep_going, adjust, (thr0, count(thr0), 0))
+    # Bounds derived from thr0 so that they carry its type (e.g. varying under shard_map).
+    init = (thr0, thr0 * 0, thr0 * 0 + jnp.inf, count(thr0), jnp.int32(0))
+    thr, _, _, c, _ = jax.lax.while_loop(unsettled, adjust, init)
 
     def from_candidates(_):
-        (cand,) = jnp.nonzero(mag >= thr, size=capacity, fill_value=0)
-        cand_mag = jnp.where(jnp.arange(capacity) < c, mag[cand], -1.0)
-        _, pos = jax.lax.top_k(cand_mag, k)
-        return cand[pos].astype(jnp.int32)
+        (cand,) = jnp.nonzero(bmax >= thr.astype(bmax.dtype), size=capacity, fill_value=0)
+        cand = cand.astype(jnp.int32)
+        mags = jnp.abs(flat[cand[:, None] * block + jnp.arange(block, dtype=jnp.int32)]).astype(jnp.float32)
+        mags = jnp.where((jnp.arange(capacity) < c)[:, None], mags, -1.0)  # fill rows never win
+        pool = jnp.concatenate([mags.reshape(-1), jnp.abs(flat[main:]).astype(jnp.float32)])
+        _, pos = jax.lax.top_k(pool, k)
+        pos = pos.astype(jnp.int32)
+        in_rows = pos < capacity * block
+        return jnp.where(in_rows, cand[pos // block] * block + pos % block, main + pos - capacity * block)
 
-    def exact(_):
-        return jax.lax.top_k(mag, k)[1].astype(jnp.int32)
+    idx = jax.lax.cond((c >= k) & (c <= capacity), from_candidates, lambda _: _exact(flat, k)[0], None)
+    return idx, flat[idx]
 
-    idx = jax.lax.cond((c >= k) & (c <= capacity), from_candidates, exact, None)
+
+def _exact(flat: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    _, idx = jax.lax.top_k(jnp.abs(flat), k)
+    idx = idx.astype(jnp.int32)
     return idx, flat[idx]

@@ -7,10 +7,12 @@ an int32 ``payload_bytes`` field.
 """
 
 from compjax.compressors.cast import CastState, cast
+from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
 from compjax.compressors.identity import IdentityState, identity
 from compjax.compressors.onebit import OnebitState, onebit
 from compjax.compressors.powersgd import PowerSGDState, powersgd
 from compjax.compressors.qsgd import QsgdState, qsgd
+from compjax.compressors.randomk import RandomkState, randomk
 from compjax.compressors.signsgd import SignsgdState, signsgd
 from compjax.compressors.terngrad import TerngradState, terngrad
 from compjax.compressors.topk import TopkState, topk
@@ -18,19 +20,24 @@ from compjax.compressors.twobit import TwobitState, twobit
 
 __all__ = [
     "CastState",
+    "DgcState",
     "IdentityState",
     "OnebitState",
     "PowerSGDState",
     "QsgdState",
+    "RandomkState",
     "SignsgdState",
     "TerngradState",
     "TopkState",
     "TwobitState",
     "cast",
+    "dgc",
+    "dgc_warmup_schedule",
     "identity",
     "onebit",
     "powersgd",
     "qsgd",
+    "randomk",
     "signsgd",
     "terngrad",
     "topk",

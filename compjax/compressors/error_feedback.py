@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from compjax.codecs.sparse import zero_at
+
 
 def init_residual(params: Any) -> Any:
     """A zero residual with the structure, shapes and dtypes of ``params``."""
@@ -31,3 +33,14 @@ def accumulate(residual: Any, grads: Any) -> Any:
 def remainder(accumulated: Any, decoded: Any) -> Any:
     """``e = p - D(C(p))`` leaf by leaf: the part of ``p`` that was not sent."""
     return jax.tree.map(lambda p, d: p - d.astype(p.dtype), accumulated, decoded)
+
+
+def remainder_sparse(accumulated: Any, indices: list) -> Any:
+    """``e = p - D(C(p))`` for a compressor that sent ``p`` exactly at flat ``indices`` per leaf.
+
+    The sent entries leave the residual (set to 0); the rest stays.  ``indices``
+    is a list of int32 arrays in the leaf order of ``accumulated``.
+    """
+    leaves, treedef = jax.tree.flatten(accumulated)
+    out = [zero_at(p, idx) for p, idx in zip(leaves, indices)]
+    return jax.tree.unflatten(treedef, out)

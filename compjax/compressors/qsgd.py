@@ -11,7 +11,8 @@ import optax
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors.quantized import as_key, quantized_mean, step_uniforms
+from compjax.compressors.keys import as_key, step_uniforms
+from compjax.compressors.quantized import quantized_mean
 
 
 class QsgdState(NamedTuple):
@@ -46,7 +47,7 @@ def qsgd(levels: int = 256, *, key, axis_name: AxisName = None) -> optax.Gradien
       levels: number of quantization levels s, an integer >= 2 (default 256).
       key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
         every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
-        (:func:`compjax.compressors.quantized.step_uniforms`).
+        (:func:`compjax.compressors.keys.step_uniforms`).
       axis_name: worker axis, or None for one worker.
 
     Returns:

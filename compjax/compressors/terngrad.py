@@ -12,7 +12,8 @@ from compjax import collectives
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors.quantized import as_key, quantized_mean, step_uniforms
+from compjax.compressors.keys import as_key, step_uniforms
+from compjax.compressors.quantized import quantized_mean
 
 
 class TerngradState(NamedTuple):
@@ -53,7 +54,7 @@ def terngrad(*, key, clip_sigma: float = 2.5, axis_name: AxisName = None) -> opt
     Args:
       key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
         every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
-        (:func:`compjax.compressors.quantized.step_uniforms`).
+        (:func:`compjax.compressors.keys.step_uniforms`).
       clip_sigma: positive float c of the clipping at ``c·σ`` (paper: 2.5).
       axis_name: worker axis, or None for one worker.
 

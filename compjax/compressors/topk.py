@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives
 from compjax._checks import check_range, check_same_tree
-from compjax.codecs.bucket import make_bucket
 from compjax.codecs.sparse import layer_k, topk_select
 from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
+from compjax.compressors.sparsified import sparse_layers_mean
 
 
 class TopkState(NamedTuple):
@@ -85,22 +84,10 @@ def topk(
         leaves, treedef = jax.tree.flatten(acc)
         if not leaves:
             return updates, TopkState(state.residual, jnp.zeros((), jnp.int32))
-        bucket = make_bucket([x.shape for x in leaves])
-        dtype = jnp.result_type(*leaves)
-        idx_parts, val_parts = [], []
-        for x, off in zip(leaves, bucket.offsets):
-            idx, val = topk_select(x, layer_k(x.size, ratio))
-            idx_parts.append(idx + off)
-            val_parts.append(val.astype(dtype))
-        indices = jnp.concatenate(idx_parts)
-        values = jnp.concatenate(val_parts)
-        mean, nbytes = collectives.sparse_mean(indices, values, bucket.size, axis_name)
-        out = [m.astype(x.dtype) for m, x in zip(bucket.unflatten(mean), leaves)]
-        residual = None
-        if error_feedback:
-            sent = jnp.zeros((bucket.size,), dtype).at[indices].set(values)
-            sent = [s.astype(x.dtype) for s, x in zip(bucket.unflatten(sent), leaves)]
-            residual = ef.remainder(acc, jax.tree.unflatten(treedef, sent))
-        return jax.tree.unflatten(treedef, out), TopkState(residual, jnp.asarray(nbytes, jnp.int32))
+        means, indices, nbytes = sparse_layers_mean(
+            leaves, lambda i, x: topk_select(x, layer_k(x.size, ratio)), axis_name
+        )
+        residual = ef.remainder_sparse(acc, indices) if error_feedback else None
+        return jax.tree.unflatten(treedef, means), TopkState(residual, jnp.asarray(nbytes, jnp.int32))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

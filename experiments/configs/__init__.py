@@ -1,0 +1,1 @@
+"""Experiment configurations (``ml_collections.ConfigDict``), one module per setting."""
