@@ -24,8 +24,12 @@ def paper_density(t, ratio, warmup_steps):
     return max(ratio, 0.25 * 0.25 ** (4 * t // warmup_steps))
 
 
-def dgc_reference(grads, ratio, m, nesterov, clip_norm, masking, warmup_steps):
-    """NumPy DGC: grads[t][w] is worker w's gradient dict at step t; returns the outputs and final u, v."""
+def dgc_reference(grads, ratio, m, nesterov, clip_norm, masking, warmup_steps, sparsify_vectors=True):
+    """NumPy DGC: grads[t][w] is worker w's gradient dict at step t; returns the outputs and final u, v.
+
+    With ``sparsify_vectors=False`` (the authors' code) 1-D leaves send their momentum-corrected
+    gradient dense and accumulate nothing.
+    """
     n = len(grads[0])
     u = [{k: np.zeros(s) for k, s in SHAPES.items()} for _ in range(n)]
     v = [{k: np.zeros(s) for k, s in SHAPES.items()} for _ in range(n)]
@@ -43,10 +47,14 @@ def dgc_reference(grads, ratio, m, nesterov, clip_norm, masking, warmup_steps):
             for k, shape in SHAPES.items():
                 if nesterov:
                     u[w][k] = m * (u[w][k] + g[k])
-                    v[w][k] = v[w][k] + u[w][k] + g[k]
+                    inc = u[w][k] + g[k]
                 else:
                     u[w][k] = m * u[w][k] + g[k]
-                    v[w][k] = v[w][k] + u[w][k]
+                    inc = u[w][k]
+                if not sparsify_vectors and len(shape) == 1:
+                    total[k] += inc
+                    continue
+                v[w][k] = v[w][k] + inc
                 flat_v, flat_u = v[w][k].reshape(-1), u[w][k].reshape(-1)
                 kk = max(1, math.ceil(density * flat_v.size))
                 idx = np.argsort(-np.abs(flat_v), kind="stable")[:kk]
@@ -67,17 +75,18 @@ def random_grads(steps, n, seed=0):
 
 
 @pytest.mark.parametrize(
-    "nesterov,clip_norm,masking",
-    [(False, None, True), (True, None, True), (False, 10.0, True), (True, 10.0, False), (False, None, False)],
+    "nesterov,clip_norm,masking,sparsify_vectors",
+    [(False, None, True, True), (True, None, True, True), (False, 10.0, True, True), (True, 10.0, False, True),
+     (False, None, False, True), (True, 10.0, True, False)],
 )
-def test_dgc_matches_numpy_reference(nesterov, clip_norm, masking):
+def test_dgc_matches_numpy_reference(nesterov, clip_norm, masking, sparsify_vectors):
     n, steps, ratio, warmup = 4, 5, 0.001, 4  # densities 25%, 6.25%, 1.5625%, 0.39%, then 0.1%
     mesh4 = parallel.make_mesh(n)
     grads = random_grads(steps, n)
     tx = cj.dgc(ratio, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm, warmup_steps=warmup,
-                sample_ratio=None, momentum_masking=masking, axis_name=AXIS)
+                sample_ratio=None, momentum_masking=masking, sparsify_vectors=sparsify_vectors, axis_name=AXIS)
     state = init_stacked(tx, {k: jnp.zeros(s) for k, s in SHAPES.items()}, n)
-    want, want_u, want_v = dgc_reference(grads, ratio, 0.9, nesterov, clip_norm, masking, warmup)
+    want, want_u, want_v = dgc_reference(grads, ratio, 0.9, nesterov, clip_norm, masking, warmup, sparsify_vectors)
     for t in range(steps):
         out, state = run_workers(tx, stack(grads[t]), state, "shard_map", mesh4)
         for k in SHAPES:
@@ -87,8 +96,11 @@ def test_dgc_matches_numpy_reference(nesterov, clip_norm, masking):
         for k in SHAPES:
             np.testing.assert_allclose(state.velocity[k][w], want_u[w][k], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(state.accumulator[k][w], want_v[w][k], rtol=1e-5, atol=1e-5)
-    # The last step sent max(1, ceil(0.001 * size)) pairs per layer: int32 index + f32 value.
-    assert np.all(state.payload_bytes == sum(max(1, math.ceil(0.001 * math.prod(s))) for s in SHAPES.values()) * 8)
+    # The last step sent max(1, ceil(0.001 * size)) pairs per layer: int32 index + f32 value (dense vectors: 4 B).
+    sparse = [s for s in SHAPES.values() if sparsify_vectors or len(s) > 1]
+    dense = [s for s in SHAPES.values() if s not in sparse]
+    want_bytes = sum(max(1, math.ceil(0.001 * math.prod(s))) for s in sparse) * 8 + sum(4 * math.prod(s) for s in dense)
+    assert np.all(state.payload_bytes == want_bytes)
 
 
 def test_dgc_backends_agree(mesh):
@@ -170,15 +182,21 @@ def test_warmup_densities_reach_the_wire(mesh):
     assert sum(op.bytes for op in ops) == sum(stages)
 
 
-def test_dgc_payload_bytes_equals_audited_bytes(mesh):
+@pytest.mark.parametrize("sparsify_vectors", [True, False])
+def test_dgc_payload_bytes_equals_audited_bytes(mesh, sparsify_vectors):
     params = init_params()
-    tx = optax.chain(cj.dgc(0.01, momentum=0.9, axis_name=AXIS), optax.sgd(0.05))
+    tx = optax.chain(cj.dgc(0.01, momentum=0.9, sparsify_vectors=sparsify_vectors, axis_name=AXIS), optax.sgd(0.05))
     p, s = parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh)
     batch = batch_data(mesh)
     step = parallel.data_parallel_step(loss_fn, tx, mesh)
     ops = cj.audit_collectives(step, p, s, batch)
     p, s, loss = jax.block_until_ready(step(p, s, batch))
-    assert {op.op for op in ops} == {"all-gather"} and len(ops) == 2
+    if sparsify_vectors:
+        assert {op.op for op in ops} == {"all-gather"} and len(ops) == 2
+    else:  # the biases travel dense in one all-reduce
+        assert sorted(op.op for op in ops) == ["all-gather", "all-gather", "all-reduce"]
+        n_vec = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 1)
+        assert [op.bytes for op in ops if op.op == "all-reduce"] == [4 * n_vec]
     assert int(np.asarray(cj.payload_bytes(s))[0]) == sum(op.bytes for op in ops)
     assert np.all(np.isfinite(np.asarray(loss)))
 

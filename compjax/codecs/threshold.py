@@ -81,7 +81,7 @@ def sampled_topk(
     if capacity * block >= size // 2:  # nothing to gain over exact top-k
         return _exact(flat, k)
     main = nb * block
-    bmax = jnp.max(jnp.abs(flat[:main].reshape(nb, block)), axis=1)
+    bmax = _block_max_abs(flat[:main], nb, block)
 
     # Sampled threshold (DGC): the k'-th largest of a strided sample with a random start.
     n_s = sample_size(size, k, sample_ratio)
@@ -89,7 +89,8 @@ def sampled_topk(
     start = jax.random.randint(key, (), 0, stride)
     sample = jnp.abs(flat[start + jnp.arange(n_s) * stride])
     k_s = max(1, math.ceil(n_s * k / size))
-    thr0 = jax.lax.top_k(sample, k_s)[0][-1].astype(jnp.float32)
+    # min of the top-k' values (indexing [-1] instead makes XLA sort the whole sample).
+    thr0 = jnp.min(jax.lax.top_k(sample, k_s)[0]).astype(jnp.float32)
 
     def count(thr):
         return jnp.sum(bmax >= thr.astype(bmax.dtype)).astype(jnp.int32)
@@ -125,6 +126,19 @@ def sampled_topk(
 
     idx = jax.lax.cond((c >= k) & (c <= capacity), from_candidates, lambda _: _exact(flat, k)[0], None)
     return idx, flat[idx]
+
+
+def _block_max_abs(x: jnp.ndarray, nb: int, block: int) -> jnp.ndarray:
+    """``max |x|`` over each of ``nb`` consecutive blocks of ``block`` entries, in ``x.dtype``.
+
+    The magnitudes are compared as integers (the sign bit cleared): for IEEE
+    floats that order is the order of the magnitudes, and XLA:CPU vectorizes an
+    integer max over rows where a float max (with its NaN rules) runs ~7x slower.
+    """
+    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
+    mask = jnp.asarray((1 << (8 * jnp.dtype(x.dtype).itemsize - 1)) - 1, itype)
+    bits = jax.lax.bitcast_convert_type(x, itype).reshape(nb, block) & mask
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), x.dtype)
 
 
 def _exact(flat: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:

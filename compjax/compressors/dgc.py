@@ -31,7 +31,8 @@ class DgcState(NamedTuple):
       key: uint32 ``(2,)`` PRNG key of the threshold samples, the same on every worker.
       count: int32 scalar, number of updates done (drives the warm-up).
       payload_bytes: int32 scalar, bytes this worker sent last step:
-        ``sum_layers k * (4 + itemsize)`` at that step's density.
+        ``sum_layers k * (4 + itemsize)`` at that step's density, plus the
+        dense vectors' bytes when ``sparsify_vectors=False``.
     """
 
     velocity: Any
@@ -118,6 +119,7 @@ def dgc(
     warmup_steps: int = 0,
     sample_ratio: float | None = 0.01,
     momentum_masking: bool = True,
+    sparsify_vectors: bool = True,
     key=0,
     axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -143,8 +145,9 @@ def dgc(
     sample of ``|v|`` (:func:`compjax.codecs.threshold.sampled_topk`: exactly
     ``k`` entries, equal to exact top-k whenever the threshold settles); with
     ``sample_ratio=None``, exact ``jax.lax.top_k``.  Every layer is sparsified
-    (the authors' code sends vectors dense).  Indices and values travel in one
-    int32 and one value all-gather per step (:mod:`compjax.compressors.sparsified`).
+    unless ``sparsify_vectors=False`` (the authors' code sends vectors dense).
+    Indices and values travel in one int32 and one value all-gather per step
+    (:mod:`compjax.compressors.sparsified`).
 
     Args:
       ratio: final density per layer, in (0, 1] (0.001: 99.9% sparsity).
@@ -156,6 +159,10 @@ def dgc(
       sample_ratio: fraction of ``|v|`` sampled for the threshold, in (0, 1], or
         None for exact top-k.
       momentum_masking: zero ``u`` where entries were sent (``v`` is always zeroed there).
+      sparsify_vectors: sparsify every layer (default).  False follows the
+        authors' code: leaves with ``ndim <= 1`` (biases, norm scales) skip the
+        accumulation and send their momentum-corrected gradient (``u``, or
+        ``u + g`` with Nesterov) dense, in one extra all-reduce.
       key: int seed or PRNG key of the samples' random starts, the same on every
         worker (folded with the step and the worker index).
       axis_name: worker axis, or None for one worker.
@@ -201,14 +208,20 @@ def dgc(
             norm = optax.tree.norm(g)
             scale = jnp.where(norm > bound, bound / jnp.where(norm > 0, norm, 1.0), 1.0)
             g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
+        gs, treedef = jax.tree.flatten(g)
+        us, vs = jax.tree.leaves(state.velocity), jax.tree.leaves(state.accumulator)
         if nesterov:
-            u = jax.tree.map(lambda u, x: momentum * (u + x), state.velocity, g)
-            v = jax.tree.map(lambda v, u, x: v + u + x, state.accumulator, u, g)
+            us = [momentum * (u + x) for u, x in zip(us, gs)]
+            incs = [u + x for u, x in zip(us, gs)]
         else:
-            u = jax.tree.map(lambda u, x: momentum * u + x, state.velocity, g)
-            v = jax.tree.map(lambda v, u: v + u, state.accumulator, u)
-        us, treedef = jax.tree.flatten(u)
-        vs = jax.tree.leaves(v)
+            us = [momentum * u + x for u, x in zip(us, gs)]
+            incs = us
+        sparse = [i for i, x in enumerate(gs) if sparsify_vectors or x.ndim > 1]
+        dense = [i for i in range(len(gs)) if i not in set(sparse)]
+        # Vectors sent dense (authors' code): the momentum-corrected gradient, all-reduced; nothing accumulates.
+        dense_means, dense_bytes = collectives.dense_mean_arrays([incs[i] for i in dense], axis_name)
+        vs_sparse = [vs[i] + incs[i] for i in sparse]
+        us_sparse = [us[i] for i in sparse]
         k_step = step_key(state.key, state.count, axis_name)
 
         def stage(density):
@@ -216,7 +229,7 @@ def dgc(
                 k = layer_k(x.size, density)
                 if sample_ratio is None:
                     return topk_select(x, k)
-                return sampled_topk(x, k, sample_ratio, jax.random.fold_in(k_step, i))
+                return sampled_topk(x, k, sample_ratio, jax.random.fold_in(k_step, sparse[i]))
 
             def run(us, vs):
                 if not vs:
@@ -229,13 +242,21 @@ def dgc(
             return run
 
         if len(stages) == 1:
-            means, us, vs, nbytes = stage(stages[0][1])(us, vs)
+            means, us_sparse, vs_sparse, nbytes = stage(stages[0][1])(us_sparse, vs_sparse)
         else:
             branches = [stage(d) for _, d in stages]
-            means, us, vs, nbytes = jax.lax.switch(_stage_index(state.count, stages), branches, us, vs)
+            means, us_sparse, vs_sparse, nbytes = jax.lax.switch(
+                _stage_index(state.count, stages), branches, us_sparse, vs_sparse
+            )
+        out = [None] * len(gs)
+        for j, i in enumerate(sparse):
+            out[i], us[i], vs[i] = means[j], us_sparse[j], vs_sparse[j]
+        for j, i in enumerate(dense):
+            out[i] = dense_means[j]
         new_state = DgcState(
-            jax.tree.unflatten(treedef, us), jax.tree.unflatten(treedef, vs), state.key, state.count + 1, nbytes
+            jax.tree.unflatten(treedef, us), jax.tree.unflatten(treedef, vs), state.key, state.count + 1,
+            nbytes + dense_bytes,
         )
-        return jax.tree.unflatten(treedef, means), new_state
+        return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

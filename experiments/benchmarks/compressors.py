@@ -88,6 +88,26 @@ def selection_section(args: argparse.Namespace, size: int = 25_000_000, ratio: f
 SECTIONS["top-k selection (25M entries at ratio 0.001)"] = selection_section
 
 
+def draw_section(args: argparse.Namespace) -> list[dict]:
+    """What TernGrad's and QSGD's one uniform draw per parameter costs alone, beside the floor.
+
+    ``jax.random.uniform`` (threefry, the default PRNG) over as many float32
+    values as the tree has parameters -- the draw :func:`compjax.compressors.keys.step_uniforms`
+    makes every step -- summed so that the draw is not optimised away.
+    """
+    tree = make_tree(args.small)
+    n = sum(int(x.size) for x in jax.tree.leaves(tree))
+    f_med, f_min = floor_ms(tree, args.repeats)
+    draw = jax.jit(lambda key: jnp.sum(jax.random.uniform(key, (n,), jnp.float32)))
+    med, mn = time_fn(draw, jax.random.PRNGKey(0), repeats=args.repeats)
+    return [{"name": "elementwise floor (g + e)", "ms_median": f_med, "ms_min": f_min, "x_floor": 1.0},
+            {"name": f"jax.random.uniform, {n:,} float32 (threefry)", "ms_median": med, "ms_min": mn,
+             "x_floor": med / f_med}]
+
+
+SECTIONS["one uniform draw per parameter"] = draw_section
+
+
 def resnet18_shapes(num_classes: int = 1000, small: bool = False) -> dict[str, tuple[int, ...]]:
     """Leaf shapes of ResNet-18 (He et al. 2016) for 224x224 ImageNet, in flax layout (11,689,512 params).
 
