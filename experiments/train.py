@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="cnn", choices=sorted(models.MODELS))
     p.add_argument("--augment", action="store_true", help="random crop (pad 4) and horizontal flip (CIFAR-10)")
     p.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up")
+    p.add_argument("--lr-before-compressor", action="store_true",
+                   help="scale local gradients by the learning rate before the compressor (see transform())")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="default: every device")
     p.add_argument("--max-steps", type=int, default=None, help="stop early (smoke tests)")
@@ -62,14 +64,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def optimizer(args, steps_total: int) -> optax.GradientTransformation:
-    """SGD with linear warm-up and cosine decay; no momentum after a compressor that carries it (DGC)."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def lr_schedule(args, steps_total: int) -> optax.Schedule:
+    """Linear warm-up from 0 to ``--lr`` over ``--warmup-steps``, then cosine decay to 0 at the last step."""
+    return optax.warmup_cosine_decay_schedule(
         0.0, args.lr, min(args.warmup_steps, max(1, steps_total - 1)), max(steps_total, 2)
     )
+
+
+def optimizer(args, steps_total: int) -> optax.GradientTransformation:
+    """SGD with :func:`lr_schedule`; no momentum after a compressor that carries it (DGC)."""
     momentum = None if compressors.momentum_inside(args.compressor) else args.momentum
-    sgd = optax.sgd(schedule, momentum=momentum)
+    sgd = optax.sgd(lr_schedule(args, steps_total), momentum=momentum)
     return optax.chain(optax.add_decayed_weights(args.weight_decay), sgd) if args.weight_decay else sgd
+
+
+def transform(args, compressor: optax.GradientTransformation, steps_total: int) -> optax.GradientTransformation:
+    """The whole optax chain of a worker: local gradients in, parameter updates out.
+
+    Default: ``chain(compressor, [weight decay], sgd(schedule, momentum))``.  With
+    ``--lr-before-compressor`` the learning rate scales each worker's gradient
+    *before* the compressor, so error-feedback residuals and DGC's accumulation
+    hold ``lr``-weighted gradients (Lin et al. 2018, Algorithm 1; Aji & Heafield
+    2017): an entry sent late is applied with the learning rate of the steps that
+    produced it, not with the (decayed) rate of the step that sends it.  Then
+    ``chain([weight decay], scale_by_learning_rate, compressor, [trace(momentum)])``.
+    """
+    if not args.lr_before_compressor:
+        return optax.chain(compressor, optimizer(args, steps_total))
+    momentum = None if compressors.momentum_inside(args.compressor) else args.momentum
+    decay = [optax.add_decayed_weights(args.weight_decay)] if args.weight_decay else []
+    after = [optax.trace(decay=momentum)] if momentum else []
+    return optax.chain(*decay, optax.scale_by_learning_rate(lr_schedule(args, steps_total)), compressor, *after)
 
 
 def main(argv=None) -> dict:
@@ -92,7 +117,7 @@ def main(argv=None) -> dict:
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     dense_bytes = 4 * num_params  # identity's float32 all-reduce payload
     compressor, comp_opts = compressors.build(args, AXIS)
-    tx = optax.chain(compressor, optimizer(args, steps_total))
+    tx = transform(args, compressor, steps_total)
 
     p = parallel.replicate(params, mesh, AXIS)
     s = parallel.init_worker_state(tx, params, mesh, AXIS)
@@ -103,6 +128,7 @@ def main(argv=None) -> dict:
     config = {"compressor": args.compressor, "options": comp_opts, "dataset": args.dataset, "model": args.model,
               "epochs": args.epochs, "weight_decay": args.weight_decay, "augment": args.augment,
               "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
+              "lr_before_compressor": args.lr_before_compressor,
               "warmup_steps": args.warmup_steps, "seed": args.seed, "workers": n,
               "train_images": len(x_train), "num_params": num_params, "backend": jax.default_backend()}
     print(f"compjax main job: {args.compressor} {comp_opts} | {n} workers on {jax.default_backend()} | "

@@ -75,3 +75,21 @@ def test_results_table_regenerates_from_records(tmp_path):
     text = results_table.main(["--runs", str(runs), "--out", str(tmp_path / "t.md"), "--readme", str(readme)])
     assert "| topk | — | 89.00% | -1.00 | 16 | 50.0× |" in text
     assert "old" not in readme.read_text() and text in readme.read_text()
+
+
+def test_lr_before_compressor_is_the_same_sgd_for_a_linear_compressor():
+    """Scaling by the learning rate before a linear compressor (identity) changes nothing without momentum."""
+    import compjax as cj
+
+    params = {"w": np.ones((3, 2), np.float32)}
+    grads = [{"w": np.full((3, 2), float(t + 1), np.float32)} for t in range(4)]
+    outs = {}
+    for flag in ([], ["--lr-before-compressor"]):
+        args = train.parse_args(["--momentum", "0", "--warmup-steps", "2"] + flag)
+        tx = train.transform(args, cj.identity(), 10)
+        state, outs[bool(flag)] = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            outs[bool(flag)].append(np.asarray(u["w"]))
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6)
+    assert np.all(outs[True][1] < 0)  # descent: the updates are -lr * g

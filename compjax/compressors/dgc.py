@@ -215,9 +215,9 @@ def dgc(
             incs = [u + x for u, x in zip(us, gs)]
         else:
             us = [momentum * u + x for u, x in zip(us, gs)]
-            incs = us
+            incs = list(us)
         sparse = [i for i, x in enumerate(gs) if sparsify_vectors or x.ndim > 1]
-        dense = [i for i in range(len(gs)) if i not in set(sparse)]
+        dense = [i for i, x in enumerate(gs) if not (sparsify_vectors or x.ndim > 1)]
         # Vectors sent dense (authors' code): the momentum-corrected gradient, all-reduced; nothing accumulates.
         dense_means, dense_bytes = collectives.dense_mean_arrays([incs[i] for i in dense], axis_name)
         vs_sparse = [vs[i] + incs[i] for i in sparse]

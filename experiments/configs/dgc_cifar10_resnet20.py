@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.weight_decay = 1e-4
     config.augment = True  # random_crop_flip(pad=4) of experiments.cifar10
     config.warmup_steps = 0  # learning-rate warm-up
+    config.lr_before_compressor = False  # as the authors' code: the optimizer applies the learning rate
     config.runs = [
         {"compressor": "identity"},  # dense baseline
         {"compressor": "topk", "ratio": 0.001},  # gradient dropping

@@ -1,7 +1,8 @@
 """Reproduce Deep Gradient Compression (Lin et al., ICLR 2018) in shape: baseline vs gradient dropping vs DGC.
 
     python -m experiments.reproduce.dgc                      # Fashion-MNIST CNN, 8 workers (CPU: ~10 minutes)
-    python -m experiments.reproduce.dgc --report-only        # table + plot from the existing records
+    python -m experiments.reproduce.dgc --seeds 1            # a second seed; the table averages the seeds found
+    python -m experiments.reproduce.dgc --report-only --readme README.md   # table + plot from the records
     python -m experiments.reproduce.dgc --config cifar10_resnet20   # ResNet-20 on CIFAR-10 (for GPUs)
 
 Three runs of the main job (:mod:`experiments.train`) with the same data, model,
@@ -57,7 +58,8 @@ def train_args(config) -> list[str]:
     argv = ["--dataset", config.dataset, "--model", config.model, "--epochs", str(config.epochs),
             "--batch-size", str(config.batch_size), "--lr", str(config.lr), "--momentum", str(config.momentum),
             "--weight-decay", str(config.weight_decay), "--warmup-steps", str(config.warmup_steps)]
-    return argv + (["--augment"] if config.augment else [])
+    argv += ["--augment"] if config.augment else []
+    return argv + (["--lr-before-compressor"] if config.get("lr_before_compressor") else [])
 
 
 def runs(config) -> dict[str, list[str]]:
@@ -75,7 +77,8 @@ def runs(config) -> dict[str, list[str]]:
         if "sparsity_warmup_epochs" in run:
             run["sparsity_warmup_steps"] = round(run.pop("sparsity_warmup_epochs") * steps_per_epoch)
         for k, v in run.items():
-            argv += [f"--{k.replace('_', '-')}", str(v)]
+            flag = f"--{k.replace('_', '-')}"
+            argv += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
         out[NAMES.get(comp, comp)] = argv
     return out
 
@@ -97,38 +100,55 @@ def read_records(path: Path) -> tuple[list[dict], dict | None]:
     return epochs, summary
 
 
-def table(results: dict[str, tuple[list[dict], dict]]) -> str:
-    """Markdown table of the runs; deltas against the baseline."""
-    base = results["baseline"][1]["test_accuracy"] if "baseline" in results else None
+def record_path(record_dir: Path, name: str, seed: int) -> Path:
+    """The JSONL record of run ``name`` with ``seed`` (seed 0: ``<run>.jsonl``, else ``<run>_seed<k>.jsonl``)."""
+    return record_dir / (f"{slug(name)}.jsonl" if seed == 0 else f"{slug(name)}_seed{seed}.jsonl")
+
+
+Results = dict[str, list[tuple[list[dict], dict]]]  # run name -> [(epoch records, summary)] per seed
+
+
+def table(results: Results) -> str:
+    """Markdown table of the runs: mean test accuracy over the seeds found, deltas against the baseline's mean."""
+    def mean_acc(runs):
+        return sum(s["test_accuracy"] for _, s in runs) / len(runs)
+
+    base = mean_acc(results["baseline"]) if "baseline" in results else None
     lines = [
-        ("| run | compressor options | test accuracy | Δ vs baseline (points) | bytes/step/worker at final sparsity | "
-        "ratio at final sparsity | mean bytes/step/worker (whole run) | ratio (whole run) | epochs | wall time (s) |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        ("| run | compressor options | test accuracy (mean) | per seed | Δ vs baseline (points) | "
+         "bytes/step/worker at final sparsity | ratio at final sparsity | mean bytes/step/worker (whole run) | "
+         "ratio (whole run) | epochs | wall time (s) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, (_, s) in results.items():
+    for name, runs in results.items():
+        s = runs[0][1]
         c = s["config"]
         opts = ", ".join(f"{k}={v}" for k, v in c["options"].items()) or "—"
-        delta = f"{100 * (s['test_accuracy'] - base):+.2f}" if base is not None else "—"
+        acc = mean_acc(runs)
+        per_seed = ", ".join(f"{100 * r['test_accuracy']:.2f}% (seed {r['config']['seed']})" for _, r in runs)
+        delta = f"{100 * (acc - base):+.2f}" if base is not None else "—"
         last, mean, dense = s["payload_bytes_per_step"], s["payload_bytes_mean_per_step"], s["dense_bytes_per_step"]
         lines.append(
-            f"| {name} | {c['compressor']}: {opts} | {100 * s['test_accuracy']:.2f}% | {delta} | {last:,} | "
+            f"| {name} | {c['compressor']}: {opts} | {100 * acc:.2f}% | {per_seed} | {delta} | {last:,} | "
             f"{dense / last:.1f}× | {mean:,.0f} | {dense / mean:.1f}× | {c['epochs']} | {s['wall_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, tuple[list[dict], dict]], path: Path, title: str) -> None:
-    """Test accuracy per epoch of every run (matplotlib, Agg backend)."""
+def plot(results: Results, path: Path, title: str) -> None:
+    """Test accuracy per epoch of every run, the mean over seeds (matplotlib, Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, (epochs, _) in results.items():
-        ax.plot([r["epoch"] for r in epochs], [100 * r["test_accuracy"] for r in epochs], marker="o", label=name)
+    for name, runs in results.items():
+        n = min(len(epochs) for epochs, _ in runs)
+        acc = [100 * sum(epochs[e]["test_accuracy"] for epochs, _ in runs) / len(runs) for e in range(n)]
+        ax.plot([runs[0][0][e]["epoch"] for e in range(n)], acc, marker="o", label=name)
     ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("test accuracy (%), mean over seeds")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -145,6 +165,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. DGC")
     p.add_argument("--train-args", default="", help="extra main-job arguments, e.g. '--max-steps 5'")
+    p.add_argument("--readme", type=Path, default=None, help="also replace the results:dgc_<config> block of this file")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds to run (the table averages all it finds)")
     args = p.parse_args(argv)
     config = load_config(args.config)
     record_dir = args.out_dir / "dgc" / args.config
@@ -154,27 +176,34 @@ def main(argv=None) -> dict:
     if not args.report_only:
         from experiments import train
 
-        for name, comp_args in todo.items():
-            if only and name not in only:
-                continue
-            out = record_dir / f"{slug(name)}.jsonl"
-            train.main(train_args(config) + comp_args + args.train_args.split() + ["--out", str(out), "--no-progress"])
-    results = {}
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            for name, comp_args in todo.items():
+                if only and name not in only:
+                    continue
+                out = record_path(record_dir, name, seed)
+                train.main(train_args(config) + comp_args + ["--seed", str(seed)] + args.train_args.split()
+                           + ["--out", str(out), "--no-progress"])
+    results: Results = {}
     for name in todo:
-        path = record_dir / f"{slug(name)}.jsonl"
-        if path.exists():
+        for path in sorted(record_dir.glob(f"{slug(name)}*.jsonl")):
+            if path.stem != slug(name) and not path.stem.startswith(f"{slug(name)}_seed"):
+                continue
             epochs, summary = read_records(path)
             if summary is not None:
-                results[name] = (epochs, summary)
+                results.setdefault(name, []).append((epochs, summary))
     if not results:
         raise SystemExit(f"no records under {record_dir}")
     text = table(results)
-    command = "python -m experiments.reproduce.dgc " + " ".join(argv)
     md = args.out_dir / f"dgc_{args.config}.md"
-    md.write_text(f"<!-- generated by: {command.strip()} -->\n{text}")
+    md.write_text(f"<!-- generated by: python -m experiments.reproduce.dgc --config {args.config} "
+                  f"(--report-only rebuilds it from the records) -->\n{text}")
     plot(results, args.out_dir / f"dgc_{args.config}.png", f"DGC reproduction ({args.config})")
+    if args.readme:
+        from experiments.results_table import update_readme
+
+        update_readme(args.readme, text, f"dgc_{args.config}")
     print(text, end="")
-    return {name: s for name, (_, s) in results.items()}
+    return {name: [s for _, s in runs] for name, runs in results.items()}
 
 
 if __name__ == "__main__":
