@@ -89,8 +89,7 @@ def onebit_encode(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     # reductions, much faster on CPU than masked ones.
     total = jnp.sum(cols, axis=0)
     absolute = jnp.sum(jnp.abs(cols), axis=0)
-    signs = jnp.sum(jnp.where(cols >= 0, 1.0, -1.0), axis=0)
-    n_pos = (rows + signs) / 2
+    n_pos = jnp.sum(cols >= 0, axis=0, dtype=jnp.int32).astype(jnp.float32)  # an integer count vectorizes
     n_neg = rows - n_pos
     pos_mean = jnp.where(n_pos > 0, (total + absolute) / 2 / jnp.maximum(n_pos, 1), 0.0)
     neg_mean = jnp.where(n_neg > 0, (total - absolute) / 2 / jnp.maximum(n_neg, 1), 0.0)
