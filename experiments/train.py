@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the workers")
     p.add_argument("--lr", type=float, default=0.05, help="peak SGD learning rate (cosine decay)")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay added to the averaged gradient")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (see transform())")
     p.add_argument("--dataset", default="fashion_mnist", choices=sorted(DATASETS))
     p.add_argument("--model", default="cnn", choices=sorted(models.MODELS))
     p.add_argument("--augment", action="store_true", help="random crop (pad 4) and horizontal flip (CIFAR-10)")
@@ -71,10 +71,14 @@ def lr_schedule(args, steps_total: int) -> optax.Schedule:
     )
 
 
+def momentum_after(args) -> float | None:
+    """The momentum of the optimizer after the compressor: none when the compressor carries it (DGC)."""
+    return None if compressors.momentum_inside(args.compressor) else args.momentum
+
+
 def optimizer(args, steps_total: int) -> optax.GradientTransformation:
-    """SGD with :func:`lr_schedule`; no momentum after a compressor that carries it (DGC)."""
-    momentum = None if compressors.momentum_inside(args.compressor) else args.momentum
-    sgd = optax.sgd(lr_schedule(args, steps_total), momentum=momentum)
+    """SGD with :func:`lr_schedule` and :func:`momentum_after`."""
+    sgd = optax.sgd(lr_schedule(args, steps_total), momentum=momentum_after(args))
     return optax.chain(optax.add_decayed_weights(args.weight_decay), sgd) if args.weight_decay else sgd
 
 
@@ -91,7 +95,7 @@ def transform(args, compressor: optax.GradientTransformation, steps_total: int) 
     """
     if not args.lr_before_compressor:
         return optax.chain(compressor, optimizer(args, steps_total))
-    momentum = None if compressors.momentum_inside(args.compressor) else args.momentum
+    momentum = momentum_after(args)
     decay = [optax.add_decayed_weights(args.weight_decay)] if args.weight_decay else []
     after = [optax.trace(decay=momentum)] if momentum else []
     return optax.chain(*decay, optax.scale_by_learning_rate(lr_schedule(args, steps_total)), compressor, *after)

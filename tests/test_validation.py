@@ -35,3 +35,11 @@ def test_mismatched_tree_is_a_clear_error(make):
 def test_make_mesh_rejects_too_many_workers():
     with pytest.raises(ValueError, match="num_workers"):
         cj.parallel.make_mesh(10_000)
+
+
+@pytest.mark.parametrize("make", [lambda: cj.topk(0.1), lambda: cj.randomk(0.1, key=0),
+                                  lambda: cj.dgc(0.1, warmup_steps=4)])
+def test_sparsifiers_accept_an_empty_tree(make):
+    tx = make()
+    out, state = tx.update({}, tx.init({}))
+    assert out == {} and int(state.payload_bytes) == 0

@@ -232,8 +232,6 @@ def dgc(
                 return sampled_topk(x, k, sample_ratio, jax.random.fold_in(k_step, sparse[i]))
 
             def run(us, vs):
-                if not vs:
-                    return [], us, vs, jnp.zeros((), jnp.int32)
                 means, indices, nbytes = sparse_layers_mean(vs, select, axis_name)
                 new_vs = ef.remainder_sparse(vs, indices)
                 new_us = [zero_at(x, i) for x, i in zip(us, indices)] if momentum_masking else us

@@ -93,10 +93,7 @@ def randomk(
             idx, val = randomk_select(x, k, jax.random.fold_in(k_step, i))
             return idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)
 
-        if leaves:
-            means, indices, nbytes = sparse_layers_mean(leaves, select, axis_name)
-        else:
-            means, indices, nbytes = [], [], 0
+        means, indices, nbytes = sparse_layers_mean(leaves, select, axis_name)
         residual = ef.remainder_sparse(acc, indices) if error_feedback else None
         new_state = RandomkState(residual, state.key, state.count + 1, jnp.asarray(nbytes, jnp.int32))
         return jax.tree.unflatten(treedef, means), new_state

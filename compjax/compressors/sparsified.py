@@ -35,8 +35,10 @@ def sparse_layers_mean(
       ``(means, indices, payload_bytes)``: the dense means over workers (shapes
       and dtypes of ``leaves``), each layer's int32 flat indices that this worker
       sent (for error feedback and masking), and ``sum_i k_i * (4 + itemsize)``
-      bytes (values in the leaves' common dtype).
+      bytes (values in the leaves' common dtype).  No leaves: nothing is sent, ``([], [], 0)``.
     """
+    if not leaves:
+        return [], [], 0
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
     idx_parts, val_parts = [], []

@@ -82,8 +82,6 @@ def topk(
             check_same_tree(updates, state.residual, "residual")
         acc = ef.accumulate(state.residual, updates)
         leaves, treedef = jax.tree.flatten(acc)
-        if not leaves:
-            return updates, TopkState(state.residual, jnp.zeros((), jnp.int32))
         means, indices, nbytes = sparse_layers_mean(
             leaves, lambda i, x: topk_select(x, layer_k(x.size, ratio)), axis_name
         )
