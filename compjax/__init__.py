@@ -4,9 +4,10 @@ Gradient compressors as optax transformations, the collectives that carry
 their payloads, exact byte accounting and data-parallel helpers.
 """
 
-from compjax import codecs, collectives, netmodel, parallel
+from compjax import bytecount, codecs, collectives, netmodel, parallel
 from compjax.accounting import Collective, audit_collectives, payload_bytes
 from compjax.compressors import (
+    ApplyIfFiniteState,
     CastState,
     DgcState,
     IdentityState,
@@ -18,6 +19,7 @@ from compjax.compressors import (
     TerngradState,
     TopkState,
     TwobitState,
+    apply_if_finite,
     cast,
     dgc,
     dgc_warmup_schedule,
@@ -35,6 +37,7 @@ from compjax.compressors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyIfFiniteState",
     "CastState",
     "Collective",
     "DgcState",
@@ -48,7 +51,9 @@ __all__ = [
     "TopkState",
     "TwobitState",
     "__version__",
+    "apply_if_finite",
     "audit_collectives",
+    "bytecount",
     "cast",
     "codecs",
     "collectives",

@@ -17,11 +17,23 @@ def check_range(
     lo_open: bool = False,
     hi_open: bool = False,
     integer: bool = False,
+    static: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` lies in the given interval.
 
     ``lo``/``hi`` of None mean unbounded; ``lo_open``/``hi_open`` exclude the end.
+    A traced value (e.g. a hyperparameter that ``optax.inject_hyperparams``
+    passes into ``update``) cannot be checked: it is accepted, unless
+    ``static`` says the value fixes shapes of the compiled step (a ratio, a
+    rank), which a traced value cannot do.
     """
+    if isinstance(value, jax.core.Tracer):
+        if static:
+            raise ValueError(
+                f"{name} fixes the shapes of the compiled step, so it must be a concrete number, got a "
+                f"traced value; with optax.inject_hyperparams, list {name!r} in static_args"
+            )
+        return
     lb = "(" if lo_open else "["
     rb = ")" if hi_open else "]"
     rng = f"{lb}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{rb}"

@@ -2,7 +2,8 @@
 
 ``payload_bytes`` reads the counters the compressors keep; ``audit_collectives``
 reads the collectives of a compiled program from its HLO, so anyone can check
-that the two agree (DESIGN.md, "Honesty of the wire").
+that the two agree: what a compressor says it sends is what its collectives
+carry.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
+import numpy as np
+
+from compjax import bytecount
 
 __all__ = ["COLLECTIVE_OPS", "Collective", "audit_collectives", "payload_bytes"]
 
@@ -66,30 +69,67 @@ class Collective(NamedTuple):
         return tuple(s for _, s in self.operands)
 
 
-def payload_bytes(opt_state: Any) -> jnp.ndarray:
-    """Bytes put into collectives in the last step, summed over every compressor state.
+def _key_name(k) -> str | None:
+    for attr in ("name", "key"):
+        v = getattr(k, attr, None)
+        if isinstance(v, str):
+            return v
+    return None
 
-    Walks a (chained) optax state and adds the ``payload_bytes`` field of every
-    NamedTuple state that has one.
+
+def payload_bytes(opt_state: Any) -> np.ndarray:
+    """Bytes put into collectives in the last step, summed over every compressor state in ``opt_state``.
+
+    Finds every ``payload_bytes`` counter in the tree: fields of compressor
+    states inside any optax state (``optax.chain``, ``inject_hyperparams``,
+    ``MultiSteps``, ...), entries of the same name in dicts (a state restored
+    from a checkpoint) and in Flax NNX state (``nnx.state(optimizer)``, or the
+    ``nnx.Optimizer`` itself).  The counters are exact byte counts held as two
+    uint32 words (:mod:`compjax.bytecount`), read on the host.
 
     Args:
-      opt_state: any optax state pytree, e.g. of ``optax.chain(cj.topk(...), optax.sgd(...))``.
+      opt_state: an optax state pytree, an NNX ``State`` or NNX object; one
+        worker's, or worker-stacked (leading axis of n workers).
 
     Returns:
-      int32 array: a scalar for one worker's state; shape ``(n,)`` for a
-      worker-stacked state (one entry per worker).  0 if no compressor is found.
+      int64 NumPy array: a scalar for one worker's state, shape ``(n,)`` for a
+      worker-stacked state (one entry per worker).
+
+    Raises:
+      ValueError: no ``payload_bytes`` counter was found (e.g. a chain without a
+        compressor, or an object this function cannot read).
+      TypeError: called on traced values (inside ``jit``): read the state after the step.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, compjax as cj
+      >>> tx = optax.chain(cj.topk(0.5), optax.sgd(0.1))
+      >>> g = {"w": jnp.arange(4.0)}
+      >>> _, state = tx.update(g, tx.init(g))
+      >>> int(cj.payload_bytes(state))   # 2 int32 indices + 2 float32 values
+      16
     """
+    tree = opt_state
+    try:
+        from flax import nnx
 
-    def is_counter(x):
-        return isinstance(x, tuple) and hasattr(x, "_fields") and "payload_bytes" in x._fields
-
-    found = [s.payload_bytes for s in jax.tree.leaves(opt_state, is_leaf=is_counter) if is_counter(s)]
+        if isinstance(tree, nnx.Object):
+            tree = nnx.state(tree)
+    except ImportError:  # pragma: no cover - flax is a dependency
+        pass
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [_key_name(k) for k in path]
+        names = [n for n in names if n not in (None, "value", "raw_value")]
+        if names and names[-1] == "payload_bytes":
+            if isinstance(leaf, jax.core.Tracer):
+                raise TypeError("payload_bytes reads concrete state: call it outside jit, on the state a step returned")
+            found.append(bytecount.to_int(leaf))
     if not found:
-        return jnp.zeros((), jnp.int32)
-    total = found[0]
-    for x in found[1:]:
-        total = total + x
-    return total
+        raise ValueError(
+            f"no compressor state with a payload_bytes counter found in a {type(opt_state).__name__}: pass the "
+            "optimizer state of a chain that holds a compjax compressor (or nnx.state of an nnx.Optimizer)"
+        )
+    return sum(found[1:], found[0])
 
 
 def _split_top(s: str) -> list[str]:

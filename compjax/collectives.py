@@ -23,25 +23,41 @@ import jax
 import jax.numpy as jnp
 
 from compjax.codecs.bucket import make_bucket
-from compjax.codecs.lowrank import orthonormalize
 
 AxisName = Hashable | None
 
 __all__ = [
+    "any_over_workers",
     "dense_mean",
     "dense_mean_arrays",
     "gathered_mean",
     "like_varying",
-    "lowrank_mean",
+    "match_varying",
     "max_over_workers",
     "num_workers",
+    "reduce_bytes",
     "sparse_mean",
+    "vary",
+    "varying_axes",
     "worker_index",
 ]
 
 
 def _nbytes(x: jnp.ndarray) -> int:
     return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
+def reduce_bytes(x: jnp.ndarray) -> int:
+    """Bytes one worker puts into an all-reduce of ``x`` (a Python int, exact at any size).
+
+    ``x.size * itemsize``, except for bfloat16 on the CPU backend, whose
+    all-reduces XLA:CPU widens to float32 on the wire (the compiled program's
+    all-reduce operand is f32, as :func:`compjax.audit_collectives` shows):
+    4 bytes per element there.  All-gathers keep their dtype.
+    """
+    if jnp.dtype(x.dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return int(x.size) * 4
+    return _nbytes(x)
 
 
 def num_workers(axis_name: AxisName) -> int:
@@ -58,13 +74,22 @@ def worker_index(axis_name: AxisName) -> jnp.ndarray:
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
 
-def _varying_axes(x) -> frozenset:
-    """Manual axes over which ``x`` is typed as varying (JAX 0.10: ``manual_axis_type.varying``)."""
-    aval = jax.typeof(x)
+def varying_axes(x) -> frozenset:
+    """Manual mesh axes over which ``x`` is typed as varying under ``shard_map`` (empty elsewhere).
+
+    Accepts arrays, tracers and ``jax.ShapeDtypeStruct`` (e.g. from ``jax.eval_shape``).
+    """
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))  # older JAX spelling
+    return frozenset(getattr(aval, "vma", None) or ())  # older JAX spelling
+
+
+def vary(x: jnp.ndarray, axes) -> jnp.ndarray:
+    """Type ``x`` as varying over ``axes`` too (``jax.lax.pcast(..., to="varying")``; no data moves)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def like_varying(x: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
@@ -76,9 +101,32 @@ def like_varying(x: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
     (``jax.lax.pcast(..., to="varying")``).  Elsewhere (pmap, vmap, no axis) this
     returns ``x`` unchanged.
     """
-    want, have = _varying_axes(like), _varying_axes(x)
-    missing = tuple(sorted(set(want) - set(have), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return vary(x, varying_axes(like))
+
+
+def match_varying(tree, like):
+    """:func:`like_varying` leaf by leaf over two pytrees of the same structure (``None`` leaves kept)."""
+    return jax.tree.map(like_varying, tree, like)
+
+
+def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
+    """Whether ``flag`` is true on any worker: one int32 all-reduce (``pmax``) of 4 bytes.
+
+    Every worker gets the same answer, so a decision taken on it (skip a
+    step, take a branch) is taken by all workers together.
+
+    Args:
+      flag: boolean scalar, this worker's vote.
+      axis_name: worker axis, or None (the own flag, 0 bytes).
+
+    Returns:
+      ``(any, payload_bytes)``: a boolean scalar, the same on every worker, and 4
+      (0 without an axis).
+    """
+    if axis_name is None:
+        return flag, 0
+    vote = flag.astype(jnp.int32)
+    return jax.lax.pmax(vote, axis_name) > 0, _nbytes(vote)
 
 
 def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:
@@ -92,14 +140,14 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
 
     Returns:
       ``(mean, payload_bytes)``: the mean, same shape and dtype as ``x``, and
-      ``x.size * itemsize`` bytes (the all-reduce operand).
+      the all-reduce operand's bytes (:func:`reduce_bytes`).
     """
     if axis_name is None:
-        return x, _nbytes(x)
+        return x, reduce_bytes(x)
     n = jnp.asarray(num_workers(axis_name), x.dtype)
     if prescale:
-        return jax.lax.psum(x / n, axis_name), _nbytes(x)
-    return jax.lax.psum(x, axis_name) / n, _nbytes(x)
+        return jax.lax.psum(x / n, axis_name), reduce_bytes(x)
+    return jax.lax.psum(x, axis_name) / n, reduce_bytes(x)
 
 
 def dense_mean_arrays(
@@ -108,12 +156,13 @@ def dense_mean_arrays(
     """Mean over workers of several arrays, bucketed: one all-reduce per dtype.
 
     The arrays are raveled into one flat buffer per dtype (usually one), reduced
-    with :func:`dense_mean` and split back.
+    with :func:`dense_mean` and split back.  float16 buffers are always
+    prescaled (divided by ``n`` before the sum) so their sum cannot overflow.
 
     Args:
       arrays: this worker's arrays, any shapes; an empty sequence issues nothing.
       axis_name: worker axis, or None.
-      prescale: as in :func:`dense_mean`.
+      prescale: as in :func:`dense_mean`, for every dtype.
 
     Returns:
       ``(means, payload_bytes)``: the means in the input order and shapes, and
@@ -126,7 +175,8 @@ def dense_mean_arrays(
         by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
     for idxs in by_dtype.values():
         bucket = make_bucket([arrays[i].shape for i in idxs])
-        mean, nbytes = dense_mean(bucket.flatten([arrays[i] for i in idxs]), axis_name, prescale=prescale)
+        flat = bucket.flatten([arrays[i] for i in idxs])
+        mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
         total += nbytes
         for i, m in zip(idxs, bucket.unflatten(mean)):
             out[i] = m
@@ -166,45 +216,6 @@ def sparse_mean(
         n = 1
     dense = jnp.zeros((size,), values.dtype).at[indices].add(values)
     return dense / jnp.asarray(n, values.dtype), nbytes
-
-
-def lowrank_mean(
-    matrices: Sequence[jnp.ndarray], qs: Sequence[jnp.ndarray], axis_name: AxisName
-) -> tuple[list[jnp.ndarray], list[jnp.ndarray], int]:
-    """PowerSGD's low-rank mean of matrices: two bucketed all-reduces (P, then Q).
-
-    Vogels et al., NeurIPS 2019, Algorithm 1 (one power iteration per step)::
-
-        P_i = M_i Q           all-reduce-mean  P = mean_i P_i
-        P̂  = orthonormalize(P)
-        Q_i = M_iᵀ P̂          all-reduce-mean  Q = mean_i Q_i
-        output = P̂ Qᵀ  (= P̂ P̂ᵀ mean_i M_i, the same on every worker)
-
-    All P's of the call share one all-reduce and all Q's another.
-
-    Args:
-      matrices: this worker's ``(m_j, n_j)`` matrices.
-      qs: the ``(n_j, r_j)`` query matrices, the same on every worker
-        (``r_j <= min(m_j, n_j)``).
-      axis_name: worker axis, or None.
-
-    Returns:
-      ``(outputs, new_qs, payload_bytes)``: the ``(m_j, n_j)`` rank-``r_j``
-      approximations of the mean, the averaged ``(n_j, r_j)`` Q's (to warm-start
-      the next step) and the bytes of both all-reduce operands,
-      ``sum_j (m_j + n_j) r_j * itemsize``.
-    """
-    if len(matrices) != len(qs):
-        raise ValueError(f"got {len(matrices)} matrices but {len(qs)} Q's")
-    if not matrices:
-        return [], [], 0
-    ps = [m @ q for m, q in zip(matrices, qs)]
-    ps, p_bytes = dense_mean_arrays(ps, axis_name)
-    ps = [orthonormalize(p) for p in ps]
-    new_qs = [m.T @ p for m, p in zip(matrices, ps)]
-    new_qs, q_bytes = dense_mean_arrays(new_qs, axis_name)
-    outs = [p @ q.T for p, q in zip(ps, new_qs)]
-    return outs, new_qs, p_bytes + q_bytes
 
 
 def gathered_mean(
@@ -252,18 +263,16 @@ def gathered_mean(
 
 def _zeros_like_typed(s: jax.ShapeDtypeStruct) -> jnp.ndarray:
     """Zeros of ``s``'s shape and dtype, varying over the manual axes ``s`` varies over."""
-    z = jnp.zeros(s.shape, s.dtype)
-    mat = getattr(s, "manual_axis_type", None)
-    axes = tuple(sorted(getattr(mat, "varying", None) or getattr(s, "vma", None) or (), key=str))
-    return jax.lax.pcast(z, axes, to="varying") if axes else z
+    return vary(jnp.zeros(s.shape, s.dtype), varying_axes(s))
 
 
 def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
     """Elementwise max over workers with one all-reduce (``pmax``), e.g. TernGrad's shared scalers.
 
     Returns:
-      ``(max, payload_bytes)``: same shape and dtype as ``x``; ``x.size * itemsize`` bytes.
+      ``(max, payload_bytes)``: same shape and dtype as ``x``; the operand's bytes
+      (:func:`reduce_bytes`).
     """
     if axis_name is None:
-        return x, _nbytes(x)
-    return jax.lax.pmax(x, axis_name), _nbytes(x)
+        return x, reduce_bytes(x)
+    return jax.lax.pmax(x, axis_name), reduce_bytes(x)

@@ -8,7 +8,7 @@ import pytest
 
 import compjax as cj
 from compjax import parallel
-from tests.helpers import AXIS
+from tests.helpers import AXIS, VOTE
 
 
 def init_params(key=0):
@@ -64,8 +64,9 @@ def test_payload_bytes_equals_audited_bytes(mesh, name):
     reported = np.asarray(cj.payload_bytes(s))
     assert reported.shape == (mesh.shape[AXIS],) and np.all(reported == reported[0])
     assert int(reported[0]) == sum(op.bytes for op in ops) > 0
-    # Only the compressor's collectives, and O(1) of them whatever the number of leaves.
-    assert 1 <= len(ops) <= 3
+    # Only the compressor's collectives (and its non-finite vote), O(1) of them whatever the number of leaves.
+    assert 2 <= len(ops) <= 4
+    assert sum(op.op == "all-reduce" and op.operands == (("s32", ()),) for op in ops) == 1  # the vote
     assert np.all(np.isfinite(np.asarray(loss)))
 
 
@@ -80,7 +81,7 @@ def test_compression_shows_in_audited_bytes(mesh):
                                    batch)
         audited[name] = sum(op.bytes for op in ops)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    assert audited["identity"] == 4 * n_params
+    assert audited["identity"] == 4 * n_params + VOTE
     assert audited["topk"] < audited["identity"] / 5
     assert audited["randomk"] == audited["topk"] == audited["dgc"]  # same k per layer, 8 bytes per entry
     assert audited["powersgd"] < audited["identity"] / 2
@@ -110,7 +111,8 @@ def test_payload_bytes_walks_chained_state():
     assert int(cj.payload_bytes(state)) == 0
     _, state = tx.update({"w": jnp.ones((10, 10)), "b": jnp.ones(10)}, state, params)
     assert int(cj.payload_bytes(state)) == (10 + 1) * (4 + 4)  # k = 10 and 1; int32 index + f32 value
-    assert int(cj.payload_bytes(optax.sgd(0.1).init(params))) == 0
+    with pytest.raises(ValueError, match="no compressor state"):
+        cj.payload_bytes(optax.sgd(0.1).init(params))
 
 
 def test_audit_reads_operand_bytes_of_all_gather(mesh):

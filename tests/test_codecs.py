@@ -63,7 +63,7 @@ def test_use_lowrank_rule():
 
 def test_orthonormalize_matches_numpy_gram_schmidt():
     p = np.random.default_rng(2).normal(size=(9, 3))
-    q = np.asarray(orthonormalize(jnp.asarray(p, jnp.float32)))
+    q = np.asarray(orthonormalize(jnp.asarray(p, jnp.float32), method="gram_schmidt"))
     ref = np.zeros_like(p)
     for i in range(3):  # classical textbook Gram-Schmidt in float64
         v = p[:, i] - ref[:, :i] @ (ref[:, :i].T @ p[:, i])
@@ -73,5 +73,20 @@ def test_orthonormalize_matches_numpy_gram_schmidt():
 
 
 def test_orthonormalize_zero_column_stays_finite():
-    q = np.asarray(orthonormalize(jnp.zeros((5, 2))))
+    q = np.asarray(orthonormalize(jnp.zeros((5, 2)), method="gram_schmidt"))
     assert np.all(np.isfinite(q)) and np.all(q == 0)
+    q = np.asarray(orthonormalize(jnp.zeros((5, 2)), method="qr"))  # QR completes to an orthonormal basis
+    np.testing.assert_allclose(q.T @ q, np.eye(2), atol=1e-6)
+
+
+def test_orthonormalize_qr_spans_the_columns_and_is_batched():
+    """QR's columns span those of p (same projector as Gram-Schmidt), one (m, r) matrix per batch entry."""
+    p = np.random.default_rng(3).normal(size=(4, 9, 3)) * np.array([1.0, 1e-2, 1e-4])  # columns of very different norms
+    q = np.asarray(orthonormalize(jnp.asarray(p, jnp.float32)))  # rank 3: QR
+    assert q.shape == (4, 9, 3)
+    for b in range(4):
+        ref = np.linalg.qr(p[b])[0]
+        np.testing.assert_allclose(q[b] @ q[b].T, ref @ ref.T, atol=1e-5)
+        np.testing.assert_allclose(q[b].T @ q[b], np.eye(3), atol=1e-5)
+    with pytest.raises(ValueError, match="method"):
+        orthonormalize(jnp.asarray(p[0]), method="svd")

@@ -43,18 +43,3 @@ def test_sparse_mean_scatter_adds_duplicates():
     np.add.at(want, idx.ravel(), val.ravel())
     np.testing.assert_allclose(np.asarray(out), np.stack([want / 3] * 3), rtol=1e-6)
     assert int(nbytes[0]) == 2 * 4 + 2 * 4
-
-
-def test_lowrank_mean_full_rank_is_exact_mean():
-    rng = np.random.default_rng(3)
-    ms = rng.normal(size=(4, 5, 3)).astype(np.float32)  # 4 workers, (m, n) = (5, 3), rank 3 = n
-    q = rng.normal(size=(3, 3)).astype(np.float32)
-
-    def f(m):
-        (out,), (qn,), nbytes = collectives.lowrank_mean([m], [jnp.asarray(q)], AXIS)
-        return out, qn, jnp.asarray(nbytes)
-
-    out, qn, nbytes = jax.vmap(f, axis_name=AXIS)(ms)
-    np.testing.assert_allclose(np.asarray(out)[0], ms.mean(0), atol=1e-5)
-    assert int(nbytes[0]) == (5 * 3 + 3 * 3) * 4
-    np.testing.assert_allclose(np.asarray(qn)[0], np.asarray(qn)[3])  # Q is the same on every worker

@@ -10,7 +10,7 @@ import pytest
 
 import compjax as cj
 from compjax import parallel
-from tests.helpers import AXIS, init_stacked, run_workers, stack
+from tests.helpers import AXIS, VOTE, init_stacked, run_workers, stack
 from tests.test_accounting import batch_data, init_params, loss_fn
 
 SHAPES = {"w": (64, 32), "b": (32,), "c": (3, 3, 4, 8)}
@@ -100,7 +100,7 @@ def test_dgc_matches_numpy_reference(nesterov, clip_norm, masking, sparsify_vect
     sparse = [s for s in SHAPES.values() if sparsify_vectors or len(s) > 1]
     dense = [s for s in SHAPES.values() if s not in sparse]
     want_bytes = sum(max(1, math.ceil(0.001 * math.prod(s))) for s in sparse) * 8 + sum(4 * math.prod(s) for s in dense)
-    assert np.all(state.payload_bytes == want_bytes)
+    assert np.all(cj.payload_bytes(state) == want_bytes + VOTE)
 
 
 def test_dgc_backends_agree(mesh):
@@ -144,7 +144,7 @@ def test_sampled_selection_gives_the_exact_update_on_large_layers():
         os_, ss = jax.jit(sampled.update)(g, ss)
         for k in shapes:
             np.testing.assert_array_equal(np.asarray(oe[k]), np.asarray(os_[k]))
-    assert int(ss.payload_bytes) == (200 + 1) * 8
+    assert int(cj.payload_bytes(ss)) == (200 + 1) * 8
 
 
 def test_warmup_schedule_matches_the_paper():
@@ -176,10 +176,10 @@ def test_warmup_densities_reach_the_wire(mesh):
         p, s, _ = jax.block_until_ready(step(p, s, batch))
         seen.append(int(np.asarray(cj.payload_bytes(s))[0]))
         want = sum(max(1, math.ceil(paper_density(t, 0.001, warmup) * n)) for n in sizes) * 8
-        assert seen[-1] == want
+        assert seen[-1] == want + VOTE
     stages = sorted(set(seen))
-    assert len(stages) == 5 and len(ops) == 2 * len(stages)  # indices + values per stage
-    assert sum(op.bytes for op in ops) == sum(stages)
+    assert len(stages) == 5 and len(ops) == 2 * len(stages) + 1  # indices + values per stage, and the vote
+    assert sum(op.bytes for op in ops) == sum(stages) - (len(stages) - 1) * VOTE
 
 
 @pytest.mark.parametrize("sparsify_vectors", [True, False])
@@ -191,12 +191,14 @@ def test_dgc_payload_bytes_equals_audited_bytes(mesh, sparsify_vectors):
     step = parallel.data_parallel_step(loss_fn, tx, mesh)
     ops = cj.audit_collectives(step, p, s, batch)
     p, s, loss = jax.block_until_ready(step(p, s, batch))
+    payload = [op for op in ops if op.operands != (("s32", ()),)]  # all but the non-finite vote
+    assert len(payload) == len(ops) - 1
     if sparsify_vectors:
-        assert {op.op for op in ops} == {"all-gather"} and len(ops) == 2
+        assert {op.op for op in payload} == {"all-gather"} and len(payload) == 2
     else:  # the biases travel dense in one all-reduce
-        assert sorted(op.op for op in ops) == ["all-gather", "all-gather", "all-reduce"]
+        assert sorted(op.op for op in payload) == ["all-gather", "all-gather", "all-reduce"]
         n_vec = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 1)
-        assert [op.bytes for op in ops if op.op == "all-reduce"] == [4 * n_vec]
+        assert [op.bytes for op in payload if op.op == "all-reduce"] == [4 * n_vec]
     assert int(np.asarray(cj.payload_bytes(s))[0]) == sum(op.bytes for op in ops)
     assert np.all(np.isfinite(np.asarray(loss)))
 

@@ -14,7 +14,7 @@ import pytest
 
 import compjax as cj
 from compjax import parallel
-from tests.helpers import AXIS, init_stacked, run_workers
+from tests.helpers import AXIS, VOTE, init_stacked, run_workers
 from tests.test_quantizers import np_clip, np_onebit, np_qsgd, np_sign, np_terngrad, np_twobit
 
 N = 8
@@ -93,7 +93,8 @@ def test_mean_over_workers_matches_numpy(mesh, name, backend):
             np.testing.assert_allclose(out[k][w], dec[k].mean(0), rtol=1e-5, atol=1e-6)
         if name in ("onebit", "twobit", "signsgd"):  # each worker keeps its own remainder
             np.testing.assert_allclose(state.residual[k], g[k] - dec[k], rtol=1e-5, atol=1e-6)
-    assert np.all(state.payload_bytes == state.payload_bytes[0]) and state.payload_bytes[0] > 0
+    nbytes = cj.payload_bytes(state)
+    assert np.all(nbytes == nbytes[0]) and nbytes[0] > VOTE
 
 
 def test_fp16_cast_does_not_overflow_in_the_sum(mesh):
@@ -101,7 +102,7 @@ def test_fp16_cast_does_not_overflow_in_the_sum(mesh):
     tx = cj.cast(jnp.float16, axis_name=AXIS)
     out, st = run_workers(tx, g, init_stacked(tx, {"w": jnp.zeros(4)}, N), "shard_map", mesh)
     np.testing.assert_allclose(out["w"], 60000.0, rtol=1e-3)
-    assert int(st.payload_bytes[0]) == 4 * 2
+    assert int(cj.payload_bytes(st)[0]) == 4 * 2 + VOTE
 
 
 # --- bytes: payload_bytes equals the compiled step's collectives ------------------------------
@@ -156,17 +157,17 @@ def test_payload_bytes_equals_audited_bytes(mesh, name):
     ops = cj.audit_collectives(step, p, s, batch)
     p, s, loss = jax.block_until_ready(step(p, s, batch))
     assert np.all(np.isfinite(np.asarray(loss)))
-    # O(1) collectives whatever the number of leaves: exactly the bucketed payload buffers.
-    assert sorted((o.op, o.dtype) for o in ops) == expected
+    # O(1) collectives whatever the number of leaves: exactly the bucketed payload buffers and the vote.
+    assert sorted((o.op, o.dtype) for o in ops) == sorted(expected + [("all-reduce", "s32")])
     audited = sum(o.bytes for o in ops)
     assert np.all(np.asarray(cj.payload_bytes(s)) == audited)
     if name == "twobit":  # every layer a multiple of 16 parameters: exactly 16x fewer bytes than identity
-        assert 16 * audited == 4 * sum(x.size for x in jax.tree.leaves(params))  # (identity: 4 bytes each)
+        assert 16 * (audited - VOTE) == 4 * sum(x.size for x in jax.tree.leaves(params))  # (identity: 4 bytes each)
 
 
 def payload_of(tx, params):
-    """payload_bytes of one update (a trace-time constant: the jitted program is trivial)."""
-    return int(jax.jit(lambda g, s: tx.update(g, s)[1].payload_bytes)(params, tx.init(params)))
+    """payload_bytes of one update on one worker."""
+    return int(cj.payload_bytes(jax.jit(tx.update)(params, tx.init(params))[1]))
 
 
 def test_ratios_on_the_main_job_cnn():

@@ -9,7 +9,7 @@ import pytest
 
 import compjax as cj
 from compjax.codecs import randomk_select
-from tests.helpers import AXIS, init_stacked, run_workers, stack
+from tests.helpers import AXIS, VOTE, init_stacked, run_workers, stack
 from tests.test_error_feedback import _check_one_worker
 
 RNG = np.random.default_rng(11)
@@ -55,7 +55,7 @@ def test_workers_draw_different_entries(mesh):
     assert all(len(s) == 13 for s in sent) and len({tuple(s) for s in sent}) == n
     # The mean holds every worker's ones, divided by n (duplicates add up).
     assert out["w"][0].sum() == pytest.approx(13.0)
-    assert np.all(state.payload_bytes == 13 * 8)
+    assert np.all(cj.payload_bytes(state) == 13 * 8 + VOTE)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 1.5, -1])

@@ -42,4 +42,4 @@ def test_make_mesh_rejects_too_many_workers():
 def test_sparsifiers_accept_an_empty_tree(make):
     tx = make()
     out, state = tx.update({}, tx.init({}))
-    assert out == {} and int(state.payload_bytes) == 0
+    assert out == {} and int(cj.payload_bytes(state)) == 0

@@ -50,24 +50,42 @@ def use_lowrank(shape: tuple[int, ...], rank: int, min_compression_rate: float) 
     return (m + n) * r * min_compression_rate < m * n
 
 
-def orthonormalize(p: jnp.ndarray, eps: float = ORTHO_EPS) -> jnp.ndarray:
-    """Orthonormalize the columns of ``p`` by (modified) Gram-Schmidt.
+def orthonormalize(p: jnp.ndarray, eps: float = ORTHO_EPS, method: str | None = None) -> jnp.ndarray:
+    """Orthonormalize the columns of ``p``, batched over leading axes.
 
-    Column i is divided by ``||column|| + eps`` and then projected out of the
-    later columns, as in ``_orthogonalize_gram_schmidt`` of PyTorch's PowerSGD
-    hook.  The PowerSGD output ``P̂ P̂ᵀ M`` does not depend on column signs.
+    Two methods, chosen by rank as in PyTorch's PowerSGD hook:
+
+    * ``"gram_schmidt"`` (rank 1): each column is divided by ``||column|| + eps``
+      and projected out of the later ones (modified Gram-Schmidt), as
+      ``_orthogonalize_gram_schmidt`` of the hook; a zero column stays zero.
+    * ``"qr"`` (rank >= 2): the Q factor of a Householder QR
+      (``jnp.linalg.qr``), stable when the columns differ in norm by orders of
+      magnitude, where Gram-Schmidt loses orthogonality in float32 (about
+      ``eps_f32 * cond(p)``).  Column signs may differ from Gram-Schmidt's; the
+      PowerSGD output ``P̂ P̂ᵀ M`` does not depend on them.  Rank-deficient
+      inputs get an orthonormal completion.
 
     Args:
-      p: ``(m, r)`` float matrix with ``r <= m``.
-      eps: added to each column norm.
+      p: ``(..., m, r)`` float matrices with ``r <= m``.
+      eps: added to each column norm (Gram-Schmidt only).
+      method: ``"gram_schmidt"``, ``"qr"``, or None (by rank, as above).
 
     Returns:
-      ``(m, r)`` matrix with orthonormal columns (zero columns stay zero).
+      ``(..., m, r)`` matrices with orthonormal columns, dtype of ``p``.
+
+    Raises:
+      ValueError: an unknown ``method``.
     """
+    r = p.shape[-1]
+    method = method or ("gram_schmidt" if r <= 1 else "qr")
+    if method == "qr":
+        return jnp.linalg.qr(p, mode="reduced")[0]
+    if method != "gram_schmidt":
+        raise ValueError(f"method must be 'gram_schmidt' or 'qr', got {method!r}")
     cols = []
-    for i in range(p.shape[1]):
-        v = p[:, i]
+    for i in range(r):
+        v = p[..., :, i]
         for q in cols:  # modified Gram-Schmidt: project out earlier columns one by one
-            v = v - jnp.dot(q, v) * q
-        cols.append(v / (jnp.linalg.norm(v) + eps))
-    return jnp.stack(cols, axis=1)
+            v = v - jnp.sum(q * v, axis=-1, keepdims=True) * q
+        cols.append(v / (jnp.linalg.norm(v, axis=-1, keepdims=True) + eps))
+    return jnp.stack(cols, axis=-1)

@@ -125,7 +125,7 @@ def twobit_encode(x: jnp.ndarray, threshold: float) -> jnp.ndarray:
 
 def twobit_decode(codes: jnp.ndarray, threshold: float, shape: tuple[int, ...]) -> jnp.ndarray:
     """``0b11 -> +threshold``, ``0b10 -> -threshold``, else 0: float32 array of ``shape``."""
-    t = jnp.float32(threshold)
+    t = jnp.asarray(threshold, jnp.float32)
     return jnp.where(codes == 3, t, jnp.where(codes == 2, -t, jnp.float32(0))).reshape(shape)
 
 

@@ -3,11 +3,13 @@
 Each factory returns an ``optax.GradientTransformationExtraArgs`` whose
 ``update`` takes a worker's **local** gradients and returns the decompressed
 **mean** over ``axis_name``; each state is a NamedTuple ``<Factory>State`` with
-an int32 ``payload_bytes`` field.
+the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
+:mod:`compjax.compressors.base`).
 """
 
 from compjax.compressors.cast import CastState, cast
 from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
+from compjax.compressors.finite import ApplyIfFiniteState, apply_if_finite
 from compjax.compressors.identity import IdentityState, identity
 from compjax.compressors.onebit import OnebitState, onebit
 from compjax.compressors.powersgd import PowerSGDState, powersgd
@@ -19,6 +21,7 @@ from compjax.compressors.topk import TopkState, topk
 from compjax.compressors.twobit import TwobitState, twobit
 
 __all__ = [
+    "ApplyIfFiniteState",
     "CastState",
     "DgcState",
     "IdentityState",
@@ -30,6 +33,7 @@ __all__ = [
     "TerngradState",
     "TopkState",
     "TwobitState",
+    "apply_if_finite",
     "cast",
     "dgc",
     "dgc_warmup_schedule",

@@ -11,6 +11,7 @@ import optax
 from compjax import collectives
 from compjax.codecs.bucket import make_bucket
 from compjax.collectives import AxisName
+from compjax.compressors.base import Exchanged, compressor
 
 _ALLOWED = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -19,13 +20,18 @@ class CastState(NamedTuple):
     """State of :func:`cast`.
 
     Attributes:
-      payload_bytes: int32 scalar, ``2 * num_params`` bytes last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step (``2 * num_params``
+        + 4); read it with :func:`compjax.payload_bytes`.
     """
 
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def cast(dtype, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def cast(dtype, axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> optax.GradientTransformationExtraArgs:
     """Average the gradients through a 16-bit payload (2x fewer bytes than float32).
 
     * ``float16``: each worker divides by ``n`` **before** the sum, then one
@@ -39,8 +45,10 @@ def cast(dtype, axis_name: AxisName = None) -> optax.GradientTransformationExtra
       bf16 reductions to float32 on the wire, which would double the bytes sent.
 
     Args:
-      dtype: ``jnp.float16`` or ``jnp.bfloat16`` (or their names).
+      dtype: ``jnp.float16`` or ``jnp.bfloat16`` (or their names).  With
+        ``optax.inject_hyperparams``, list ``"dtype"`` in ``static_args``.
       axis_name: worker axis, or None for one worker (a cast round trip).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
 
     Returns:
       ``optax.GradientTransformationExtraArgs``; outputs in the gradients' dtypes.
@@ -61,16 +69,10 @@ def cast(dtype, axis_name: AxisName = None) -> optax.GradientTransformationExtra
         raise ValueError(f"dtype must be one of {sorted(_ALLOWED)}, got {dtype!r}")
     wire = _ALLOWED[name]
 
-    def init_fn(params):
-        del params
-        return CastState(jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args, state
-        leaves, treedef = jax.tree.flatten(updates)
-        low = [x.astype(wire) for x in leaves]
+    def exchange(ps, fields, ctx):
+        low = [x.astype(wire) for x in ps]
         if wire == jnp.float16:
-            means, nbytes = collectives.dense_mean_arrays(low, axis_name, prescale=True)
+            means, nbytes = collectives.dense_mean_arrays(low, ctx.axis_name, prescale=True)
         else:
             bucket = make_bucket([x.shape for x in low])  # one all-gather for all layers
             # Bitcast leaf by leaf, then concatenate the uint16 parts (faster on CPU
@@ -80,8 +82,7 @@ def cast(dtype, axis_name: AxisName = None) -> optax.GradientTransformationExtra
             def decode(w):
                 return bucket.unflatten(jax.lax.bitcast_convert_type(w, jnp.bfloat16))
 
-            means, nbytes = collectives.gathered_mean((words,), decode, axis_name)
-        out = [m.astype(x.dtype) for m, x in zip(means, leaves)]
-        return jax.tree.unflatten(treedef, out), CastState(jnp.asarray(nbytes, jnp.int32))
+            means, nbytes = collectives.gathered_mean((words,), decode, ctx.axis_name)
+        return Exchanged(means, None, {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)

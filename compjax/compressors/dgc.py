@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives
-from compjax._checks import check_range, check_same_tree
+from compjax import bytecount, collectives
+from compjax._checks import check_range
 from compjax.codecs.sparse import layer_k, topk_select, zero_at
 from compjax.codecs.threshold import sampled_topk
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_key
 from compjax.compressors.sparsified import sparse_layers_mean
 
@@ -29,16 +29,19 @@ class DgcState(NamedTuple):
       velocity: momentum ``u``, same tree/shapes/dtypes as the params.
       accumulator: gradient accumulation ``v`` (what was not sent yet), same tree.
       key: uint32 ``(2,)`` PRNG key of the threshold samples, the same on every worker.
-      count: int32 scalar, number of updates done (drives the warm-up).
-      payload_bytes: int32 scalar, bytes this worker sent last step:
+      count: int32 scalar, updates applied (drives the warm-up).
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
         ``sum_layers k * (4 + itemsize)`` at that step's density, plus the
-        dense vectors' bytes when ``sparsify_vectors=False``.
+        dense vectors' bytes when ``sparsify_vectors=False``, plus 4 (the
+        non-finite vote).
     """
 
     velocity: Any
     accumulator: Any
     key: jax.Array
     count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
@@ -71,8 +74,8 @@ def _stage_index(count: jnp.ndarray, stages) -> jnp.ndarray:
 
 
 def _check(ratio, warmup_steps) -> None:
-    check_range("ratio", ratio, 0.0, 1.0, lo_open=True)
-    check_range("warmup_steps", warmup_steps, 0, None, integer=True)
+    check_range("ratio", ratio, 0.0, 1.0, lo_open=True, static=True)
+    check_range("warmup_steps", warmup_steps, 0, None, integer=True, static=True)
 
 
 def dgc_warmup_schedule(ratio: float = 0.001, warmup_steps: int = 0) -> optax.Schedule:
@@ -121,6 +124,7 @@ def dgc(
     momentum_masking: bool = True,
     sparsify_vectors: bool = True,
     key=0,
+    skip_nonfinite: bool = True,
     axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression: momentum-corrected, clipped, masked top-k with warm-up.
@@ -149,6 +153,10 @@ def dgc(
     Indices and values travel in one int32 and one value all-gather per step
     (:mod:`compjax.compressors.sparsified`).
 
+    ``ratio``, ``warmup_steps`` and ``sample_ratio`` fix shapes (list them in
+    ``static_args`` of ``optax.inject_hyperparams``); ``momentum`` and
+    ``clip_norm`` may be traced.
+
     Args:
       ratio: final density per layer, in (0, 1] (0.001: 99.9% sparsity).
       momentum: ``m`` in [0, 1).
@@ -163,8 +171,10 @@ def dgc(
         authors' code: leaves with ``ndim <= 1`` (biases, norm scales) skip the
         accumulation and send their momentum-corrected gradient (``u``, or
         ``u + g`` with Nesterov) dense, in one extra all-reduce.
-      key: int seed or PRNG key of the samples' random starts, the same on every
-        worker (folded with the step and the worker index).
+      key: int seed, typed key or raw uint32 key of the samples' random starts,
+        the same on every worker (folded with the step and the worker index).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`):
+        velocity and accumulation stay untouched on a skipped step.
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -189,40 +199,37 @@ def dgc(
     _check(ratio, warmup_steps)
     check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
     if sample_ratio is not None:
-        check_range("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True)
+        check_range("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True, static=True)
+        sample_ratio = float(sample_ratio)
     if clip_norm is not None:
         check_range("clip_norm", clip_norm, 0.0, None, lo_open=True)
     stages = dgc_stages(float(ratio), int(warmup_steps))
     key0 = as_key(key)
 
-    def init_fn(params):
-        zeros = ef.init_residual(params)
-        return DgcState(zeros, zeros, key0, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    def init_fields(xs):
+        return {"velocity": [jnp.zeros_like(x) for x in xs], "accumulator": [jnp.zeros_like(x) for x in xs],
+                "key": jnp.array(key0)}
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        check_same_tree(updates, state.velocity, "velocity")
-        g = updates
+    def exchange(gs, fields, ctx):
         if clip_norm is not None:
-            bound = clip_norm / math.sqrt(collectives.num_workers(axis_name))
-            norm = optax.tree.norm(g)
+            bound = clip_norm / math.sqrt(collectives.num_workers(ctx.axis_name))
+            norm = optax.tree.norm(gs)
             scale = jnp.where(norm > bound, bound / jnp.where(norm > 0, norm, 1.0), 1.0)
-            g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
-        gs, treedef = jax.tree.flatten(g)
-        us, vs = jax.tree.leaves(state.velocity), jax.tree.leaves(state.accumulator)
+            gs = [x * scale.astype(x.dtype) for x in gs]
+        us, vs = fields["velocity"], fields["accumulator"]
         if nesterov:
-            us = [momentum * (u + x) for u, x in zip(us, gs)]
+            us = [(momentum * (u + x)).astype(u.dtype) for u, x in zip(us, gs)]
             incs = [u + x for u, x in zip(us, gs)]
         else:
-            us = [momentum * u + x for u, x in zip(us, gs)]
+            us = [(momentum * u + x).astype(u.dtype) for u, x in zip(us, gs)]
             incs = list(us)
         sparse = [i for i, x in enumerate(gs) if sparsify_vectors or x.ndim > 1]
         dense = [i for i, x in enumerate(gs) if not (sparsify_vectors or x.ndim > 1)]
         # Vectors sent dense (authors' code): the momentum-corrected gradient, all-reduced; nothing accumulates.
-        dense_means, dense_bytes = collectives.dense_mean_arrays([incs[i] for i in dense], axis_name)
+        dense_means, dense_bytes = collectives.dense_mean_arrays([incs[i] for i in dense], ctx.axis_name)
         vs_sparse = [vs[i] + incs[i] for i in sparse]
         us_sparse = [us[i] for i in sparse]
-        k_step = step_key(state.key, state.count, axis_name)
+        k_step = step_key(fields["key"], ctx.count, ctx.axis_name)
 
         def stage(density):
             def select(i, x):
@@ -232,29 +239,31 @@ def dgc(
                 return sampled_topk(x, k, sample_ratio, jax.random.fold_in(k_step, sparse[i]))
 
             def run(us, vs):
-                means, indices, nbytes = sparse_layers_mean(vs, select, axis_name)
-                new_vs = ef.remainder_sparse(vs, indices)
+                means, indices, nbytes = sparse_layers_mean(vs, select, ctx.axis_name)
+                new_vs = [zero_at(x, i) for x, i in zip(vs, indices)]
                 new_us = [zero_at(x, i) for x, i in zip(us, indices)] if momentum_masking else us
-                return means, new_us, new_vs, jnp.asarray(nbytes, jnp.int32)
+                out = (means, new_us, new_vs)
+                # Every branch returns the types of the first one (lax.switch needs equal types).
+                return collectives.match_varying(out, (vs, us, vs)), bytecount.constant(nbytes)
 
             return run
 
         if len(stages) == 1:
-            means, us_sparse, vs_sparse, nbytes = stage(stages[0][1])(us_sparse, vs_sparse)
+            (means, us_sparse, vs_sparse), nbytes = stage(stages[0][1])(us_sparse, vs_sparse)
         else:
             branches = [stage(d) for _, d in stages]
-            means, us_sparse, vs_sparse, nbytes = jax.lax.switch(
-                _stage_index(state.count, stages), branches, us_sparse, vs_sparse
+            (means, us_sparse, vs_sparse), nbytes = jax.lax.switch(
+                _stage_index(ctx.count, stages), branches, us_sparse, vs_sparse
             )
         out = [None] * len(gs)
+        us, vs = list(us), list(vs)
         for j, i in enumerate(sparse):
             out[i], us[i], vs[i] = means[j], us_sparse[j], vs_sparse[j]
         for j, i in enumerate(dense):
             out[i] = dense_means[j]
-        new_state = DgcState(
-            jax.tree.unflatten(treedef, us), jax.tree.unflatten(treedef, vs), state.key, state.count + 1,
-            nbytes + dense_bytes,
-        )
-        return jax.tree.unflatten(treedef, out), new_state
+        return Exchanged(out, None, {"velocity": us, "accumulator": vs}, bytecount.add(nbytes, dense_bytes))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        DgcState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, init_fields=init_fields,
+        tree_fields=("velocity", "accumulator"),
+    )

@@ -6,41 +6,46 @@ Seide et al. 2014; Strom 2015; Karimireddy et al. 2019 (EF-SGD, Algorithm 2)::
     e_{t+1} = p_t - D(C(p_t))  (remainder: what was not sent)
 
 so that, per worker, ``sum_t D(C(p_t)) + e_T = sum_t g_t`` (nothing is lost).
+:func:`compjax.compressors.base.compressor` applies both steps around a
+compressor's exchange when ``error_feedback=True``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from compjax.codecs.sparse import zero_at
 
 
-def init_residual(params: Any) -> Any:
-    """A zero residual with the structure, shapes and dtypes of ``params``."""
-    return jax.tree.map(jnp.zeros_like, params)
+class SentAt(NamedTuple):
+    """What a sparsifying exchange sent: each leaf's entries at ``indices`` exactly.
 
-
-def accumulate(residual: Any, grads: Any) -> Any:
-    """``p = g + e`` leaf by leaf; ``residual=None`` (no error feedback) returns ``grads``."""
-    if residual is None:
-        return grads
-    return jax.tree.map(lambda g, e: g + e.astype(g.dtype), grads, residual)
-
-
-def remainder(accumulated: Any, decoded: Any) -> Any:
-    """``e = p - D(C(p))`` leaf by leaf: the part of ``p`` that was not sent."""
-    return jax.tree.map(lambda p, d: p - d.astype(p.dtype), accumulated, decoded)
-
-
-def remainder_sparse(accumulated: Any, indices: list) -> Any:
-    """``e = p - D(C(p))`` for a compressor that sent ``p`` exactly at flat ``indices`` per leaf.
-
-    The sent entries leave the residual (set to 0); the rest stays.  ``indices``
-    is a list of int32 arrays in the leaf order of ``accumulated``.
+    Attributes:
+      indices: one int32 array of flat indices per leaf (into ``leaf.ravel()``).
     """
-    leaves, treedef = jax.tree.flatten(accumulated)
-    out = [zero_at(p, idx) for p, idx in zip(leaves, indices)]
-    return jax.tree.unflatten(treedef, out)
+
+    indices: list
+
+
+#: What an exchange reports as sent: the decoded own payload per leaf, or :class:`SentAt`.
+Sent = Sequence[jnp.ndarray] | SentAt
+
+
+def accumulate(residual: Sequence[jnp.ndarray], grads: Sequence[jnp.ndarray]) -> list[jnp.ndarray]:
+    """``p = e + g`` leaf by leaf, in the residual's dtype (the parameters' dtype)."""
+    return [e + g.astype(e.dtype) for g, e in zip(grads, residual)]
+
+
+def remainder(accumulated: Sequence[jnp.ndarray], sent: Sent) -> list[jnp.ndarray]:
+    """``e = p - D(C(p))`` leaf by leaf: the part of ``p`` that was not sent.
+
+    ``sent`` is either the decoded own payload per leaf (subtracted), or
+    :class:`SentAt` for a compressor that sent ``p`` exactly at some entries
+    (those entries leave the residual, set to 0; the rest stays).
+    """
+    if isinstance(sent, SentAt):
+        return [zero_at(p, idx) for p, idx in zip(accumulated, sent.indices)]
+    return [p - d.astype(p.dtype) for p, d in zip(accumulated, sent)]

@@ -4,58 +4,61 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from compjax import collectives
 from compjax.collectives import AxisName
+from compjax.compressors.base import Exchanged, compressor
 
 
 class IdentityState(NamedTuple):
     """State of :func:`identity`.
 
     Attributes:
-      payload_bytes: int32 scalar, bytes this worker put into collectives in the
-        last step (0 before the first step).
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count (low, high word) of what this
+        worker put into collectives in the last step; read it with
+        :func:`compjax.payload_bytes`.
     """
 
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def identity(axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> optax.GradientTransformationExtraArgs:
     """Dense all-reduce mean of local gradients: the uncompressed baseline.
 
     All leaves go into one flat buffer per dtype and one all-reduce each, so a
-    float32 model costs ``4 * num_params`` bytes per worker per step.
+    float32 model costs ``4 * num_params`` bytes per worker per step (float16
+    buffers are divided by the number of workers before the sum, so the sum
+    cannot overflow), plus the 4-byte non-finite vote.
 
     Args:
       axis_name: the worker axis of ``shard_map``/``pmap``/``vmap``; None for
         one worker (the output is the input).
+      skip_nonfinite: if any worker's gradient holds a NaN or an infinity, all
+        workers skip the step (zero updates, ``skipped`` + 1); see
+        :mod:`compjax.compressors.base`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-      params=None)`` takes this worker's local gradients (any pytree of float
-      arrays) and returns their mean over workers, same structure, shapes and
-      dtypes.
+      params=None)`` takes this worker's local gradients (any pytree) and
+      returns their mean over workers, same structure, shapes and dtypes.
 
     Examples:
       >>> import jax.numpy as jnp, compjax as cj
       >>> tx = cj.identity()
       >>> g = {"w": jnp.ones((2, 3))}
       >>> out, state = tx.update(g, tx.init(g))
-      >>> int(state.payload_bytes)
+      >>> int(cj.payload_bytes(state))
       24
     """
 
-    def init_fn(params):
-        del params
-        return IdentityState(payload_bytes=jnp.zeros((), jnp.int32))
+    def exchange(ps, fields, ctx):
+        means, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name)
+        return Exchanged(means, None, {}, nbytes)
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args, state
-        leaves, treedef = jax.tree.flatten(updates)
-        means, nbytes = collectives.dense_mean_arrays(leaves, axis_name)
-        return jax.tree.unflatten(treedef, means), IdentityState(jnp.asarray(nbytes, jnp.int32))
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)

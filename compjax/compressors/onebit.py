@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from compjax._checks import check_same_tree
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.quantized import quantized_mean
 
 
@@ -20,15 +18,20 @@ class OnebitState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory Δ, same tree as the params.
-      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 32)`` bytes of packed
-        signs + ``4 * 2 * columns`` bytes of reconstruction values, last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``4 * sum_layers ceil(size / 32)`` bytes of packed signs + ``4 * 2 * columns``
+        bytes of reconstruction values + 4 (the non-finite vote).
     """
 
     residual: Any
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def onebit(*, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def onebit(*, skip_nonfinite: bool = True, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
     """1-bit SGD: sign quantization at 0 with per-column reconstruction values and error feedback.
 
     Seide et al. 2014, Sec. 3 (with the residual carrying ``Δ_prev``, as intended)::
@@ -44,6 +47,7 @@ def onebit(*, axis_name: AxisName = None) -> optax.GradientTransformationExtraAr
     decodes all and averages.
 
     Args:
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -63,19 +67,11 @@ def onebit(*, axis_name: AxisName = None) -> optax.GradientTransformationExtraAr
       >>> tx = optax.chain(cj.onebit(axis_name="data"), optax.sgd(0.05, momentum=0.9))
     """
 
-    def init_fn(params):
-        return OnebitState(ef.init_residual(params), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        check_same_tree(updates, state.residual, "residual")
-        acc = ef.accumulate(state.residual, updates)
-        leaves, treedef = jax.tree.flatten(acc)
+    def exchange(ps, fields, ctx):
         means, sent, nbytes = quantized_mean(
-            leaves, lambda i, x: q.onebit_encode(x), lambda i, c, s, shape: q.onebit_decode(c, s, shape), 1,
-            axis_name,
+            ps, lambda i, x: q.onebit_encode(x), lambda i, c, s, shape: q.onebit_decode(c, s, shape), 1,
+            ctx.axis_name,
         )
-        residual = ef.remainder(acc, jax.tree.unflatten(treedef, sent))
-        return jax.tree.unflatten(treedef, means), OnebitState(residual, jnp.asarray(nbytes, jnp.int32))
+        return Exchanged(means, sent, {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(OnebitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True)

@@ -12,29 +12,32 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives
-from compjax._checks import check_range, check_same_tree
-from compjax.codecs.lowrank import from_matrix, matrix_shape, to_matrix, use_lowrank
+from compjax import bytecount, collectives
+from compjax._checks import check_range
+from compjax.codecs.lowrank import from_matrix, matrix_shape, orthonormalize, to_matrix, use_lowrank
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
+from compjax.compressors.keys import as_key
 
 
 class PowerSGDState(NamedTuple):
     """State of :func:`powersgd`.
 
     Attributes:
-      count: int32 scalar, number of updates done.
-      q: tuple with one ``(rest, r)`` query matrix per compressed leaf, in leaf
-        order (the same on every worker; warm start).
+      q: tuple with one float32 ``(rest, r)`` query matrix per compressed leaf,
+        in leaf order (the same on every worker; warm start).
       residual: error-feedback memory, same tree as the params (None when
         ``error_feedback=False``).  Zero for leaves that go dense.
-      payload_bytes: int32 scalar, bytes this worker put into collectives in the
-        last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step (P, Q and the
+        dense leaves' all-reduces, + 4 for the non-finite vote).
     """
 
-    count: jnp.ndarray
     q: tuple
     residual: Any
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
@@ -50,12 +53,25 @@ def _plan(shapes, rank, min_compression_rate):
     return lowrank, ranks, dense
 
 
-def _random_qs(key, shapes, lowrank, ranks, dtypes):
+def _random_qs(key, shapes, lowrank, ranks):
     qs = []
     for j, (i, r) in enumerate(zip(lowrank, ranks)):
         _, n = matrix_shape(tuple(shapes[i]))
-        qs.append(jax.random.normal(jax.random.fold_in(key, j), (n, r), dtypes[i]))
+        qs.append(jax.random.normal(jax.random.fold_in(key, j), (n, r), jnp.float32))
     return tuple(qs)
+
+
+def _batched(fn, mats):
+    """Apply ``fn`` to ``(..., a, b)`` stacks of same-shape matrices; results in input order."""
+    groups: dict[tuple, list[int]] = {}
+    for j, x in enumerate(mats):
+        groups.setdefault(tuple(x.shape), []).append(j)
+    out = [None] * len(mats)
+    for idxs in groups.values():
+        y = fn(jnp.stack([mats[j] for j in idxs]))
+        for b, j in enumerate(idxs):
+            out[j] = y[b]
+    return out
 
 
 def powersgd(
@@ -65,27 +81,33 @@ def powersgd(
     min_compression_rate: float = 2.0,
     warm_start: bool = True,
     error_feedback: bool = True,
-    key: int = 0,
+    key=0,
+    skip_nonfinite: bool = True,
     axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rank-``rank`` PowerSGD mean of local gradients with error feedback.
 
     For each leaf of ndim >= 2, viewed as the ``(out, rest)`` matrix (flax
     kernels are ``(..., in, out)``; ``rest = prod(shape[:-1])``), Algorithm 1 of
-    Vogels et al. with the error feedback of Algorithm 2::
+    Vogels et al. with the error feedback of Algorithm 2, in float32::
 
         M = g + e                      (e: this worker's residual)
-        P = M Q;      P <- mean over workers (all-reduce; all leaves in one bucket)
-        P̂ = orthonormalize(P)          (Gram-Schmidt)
+        Q̂ = orthonormalize(Q)          (the warm-started Q, as PyTorch's hook does)
+        P = M Q̂;      P <- mean over workers (all-reduce; all leaves in one bucket)
+        P̂ = orthonormalize(P)
         Q = Mᵀ P̂;     Q <- mean over workers (all-reduce; one bucket)
         output = P̂ Qᵀ                  (the same on every worker)
         e = M - output                 (each worker's own M against the mean)
 
-    Q is kept for the next step (warm start) or redrawn from ``(key, step)``.
-    Vectors, scalars and matrices with ``(m + n) r min_compression_rate >= m n``
-    go dense through one bucketed all-reduce.  The first ``start_step`` updates
-    are a dense mean of the raw gradients (no residual), as PyTorch's
-    ``start_powerSGD_iter``.  A step issues at most 3 collectives.
+    Orthonormalization (:func:`compjax.codecs.lowrank.orthonormalize`, batched
+    over same-shape matrices): Gram-Schmidt at rank 1, Householder QR above, so
+    float32 stays close to float64 when the singular values span orders of
+    magnitude.  Q is kept for the next step (warm start) or redrawn from
+    ``(key, step)``.  Vectors, scalars and matrices with
+    ``(m + n) r min_compression_rate >= m n`` go dense through one bucketed
+    all-reduce.  The first ``start_step`` updates are a dense mean of the raw
+    gradients (the residual stays zero), as PyTorch's ``start_powerSGD_iter``.
+    A step issues at most 3 collectives, plus the non-finite vote.
 
     The rank used for a leaf is ``min(rank, m, n)``; with ``rank >= min(m, n)``
     the output equals the dense mean.
@@ -99,8 +121,14 @@ def powersgd(
         ``m n / ((m + n) r)`` exceeds this, a number >= 0.
       warm_start: reuse last step's averaged Q (else redraw it every step).
       error_feedback: keep ``M - output`` and add it next step.
-      key: integer seed of the initial (and redrawn) Q, the same on every worker.
+      key: int seed, typed key (``jax.random.key``) or raw uint32 key of the
+        initial (and redrawn) Q, the same on every worker.
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`):
+        Q and the residual stay untouched on a skipped step.
       axis_name: worker axis, or None for one worker.
+
+    ``rank``, ``start_step`` and ``min_compression_rate`` fix shapes: with
+    ``optax.inject_hyperparams``, list them in ``static_args``.
 
     Returns:
       ``optax.GradientTransformationExtraArgs``; ``update`` takes local gradients
@@ -108,7 +136,8 @@ def powersgd(
 
     Raises:
       ValueError: ``rank < 1``, ``start_step < 0``, ``min_compression_rate < 0``
-        (at build time); a gradient tree that does not match the state (trace time).
+        or a bad ``key`` (at build time); a gradient tree that does not match the
+        state (trace time).
 
     References:
       Vogels et al., NeurIPS 2019, Algorithms 1-2; PyTorch
@@ -118,79 +147,58 @@ def powersgd(
       >>> import optax, compjax as cj
       >>> tx = optax.chain(cj.powersgd(rank=2, axis_name="data"), optax.sgd(0.1, momentum=0.9))
     """
-    check_range("rank", rank, 1, None, integer=True)
-    check_range("start_step", start_step, 0, None, integer=True)
-    check_range("min_compression_rate", min_compression_rate, 0.0, None)
-    rank, start_step = int(rank), int(start_step)
-    base_key = jax.random.PRNGKey(int(key))
+    check_range("rank", rank, 1, None, integer=True, static=True)
+    check_range("start_step", start_step, 0, None, integer=True, static=True)
+    check_range("min_compression_rate", min_compression_rate, 0.0, None, static=True)
+    rank, start_step, min_compression_rate = int(rank), int(start_step), float(min_compression_rate)
+    base_key = as_key(key)
 
-    def init_fn(params):
-        leaves = jax.tree.leaves(params)
-        shapes = [x.shape for x in leaves]
+    def init_fields(xs):
+        shapes = [x.shape for x in xs]
         lowrank, ranks, _ = _plan(shapes, rank, min_compression_rate)
-        qs = _random_qs(base_key, shapes, lowrank, ranks, [x.dtype for x in leaves])
-        residual = ef.init_residual(params) if error_feedback else None
-        return PowerSGDState(
-            count=jnp.zeros((), jnp.int32), q=qs, residual=residual, payload_bytes=jnp.zeros((), jnp.int32)
-        )
+        return {"q": _random_qs(base_key, shapes, lowrank, ranks)}
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        if error_feedback:
-            check_same_tree(updates, state.residual, "residual")
-        leaves, treedef = jax.tree.flatten(updates)
-        shapes = [x.shape for x in leaves]
+    def exchange(ps, fields, ctx):
+        shapes = [x.shape for x in ps]
         lowrank, ranks, dense = _plan(shapes, rank, min_compression_rate)
-        if len(state.q) != len(lowrank):
+        old_q = fields["q"]
+        if len(old_q) != len(lowrank):
             raise ValueError(
                 f"the gradient tree has {len(lowrank)} compressible matrices but the state holds "
-                f"{len(state.q)} Q's: it was built by init for another tree"
+                f"{len(old_q)} Q's: it was built by init for another tree"
             )
-        count = state.count
 
         def compressed(_):
-            acc = jax.tree.leaves(ef.accumulate(state.residual, updates))
-            if warm_start:
-                qs = state.q
-            else:
-                qs = _random_qs(
-                    jax.random.fold_in(base_key, count), shapes, lowrank, ranks, [x.dtype for x in leaves]
-                )
-            mats = [to_matrix(acc[i]) for i in lowrank]
-            outs, new_qs, b_lr = collectives.lowrank_mean(mats, list(qs), axis_name)
-            dense_out, b_d = collectives.dense_mean_arrays([acc[i] for i in dense], axis_name)
-            out = [None] * len(leaves)
-            for i, o in zip(lowrank, outs):
-                out[i] = from_matrix(o, shapes[i]).astype(leaves[i].dtype)
+            qs = old_q if warm_start else _random_qs(jax.random.fold_in(base_key, ctx.count), shapes, lowrank, ranks)
+            mats = [to_matrix(ps[i].astype(jnp.float32)) for i in lowrank]
+            qs = _batched(orthonormalize, list(qs))
+            p_loc = [m @ q for m, q in zip(mats, qs)]
+            p_mean, p_bytes = collectives.dense_mean_arrays(p_loc, ctx.axis_name)
+            p_hat = _batched(orthonormalize, p_mean)
+            q_loc = [m.T @ p for m, p in zip(mats, p_hat)]
+            q_mean, q_bytes = collectives.dense_mean_arrays(q_loc, ctx.axis_name)
+            dense_out, d_bytes = collectives.dense_mean_arrays([ps[i] for i in dense], ctx.axis_name)
+            out = [None] * len(ps)
+            for i, p, q in zip(lowrank, p_hat, q_mean):
+                out[i] = from_matrix(p @ q.T, shapes[i])
             for i, o in zip(dense, dense_out):
                 out[i] = o
-            residual = state.residual
-            if error_feedback:
-                # Dense leaves were sent whole: nothing remains.
-                decoded = [out[i] if i in set(lowrank) else acc[i] for i in range(len(leaves))]
-                residual = ef.remainder(jax.tree.unflatten(treedef, acc), jax.tree.unflatten(treedef, decoded))
-            # Match the state's types so both branches of the start_step cond agree.
-            new_qs = tuple(collectives.like_varying(q.astype(o.dtype), o) for q, o in zip(new_qs, state.q))
-            return out, new_qs, residual, b_lr + b_d
+            # Dense leaves were sent whole: nothing remains of them.
+            sent = [out[i] if i in set(lowrank) else ps[i] for i in range(len(ps))]
+            result = ([o.astype(x.dtype) for o, x in zip(out, ps)], sent, tuple(q_mean))
+            return collectives.match_varying(result, (ps, ps, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
 
         def uncompressed(_):
-            out, nbytes = collectives.dense_mean_arrays(leaves, axis_name)
-            return out, tuple(state.q), state.residual, nbytes
+            out, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name)
+            return collectives.match_varying((out, list(ps), tuple(old_q)), (ps, ps, old_q)), bytecount.constant(nbytes)
 
         if start_step == 0:
-            out, qs, residual, nbytes = compressed(None)
-            nbytes = jnp.asarray(nbytes, jnp.int32)
+            (out, sent, qs), nbytes = compressed(None)
         else:
-            def branch(fn):
-                def run(_):
-                    o, q, r, b = fn(None)
-                    return o, q, r, jnp.asarray(b, jnp.int32)
-                return run
+            (out, sent, qs), nbytes = jax.lax.cond(ctx.count < start_step, uncompressed, compressed, None)
+        return Exchanged(out, sent, {"q": qs}, nbytes)
 
-            out, qs, residual, nbytes = jax.lax.cond(
-                count < start_step, branch(uncompressed), branch(compressed), None
-            )
-        new_state = PowerSGDState(count=count + 1, q=qs, residual=residual, payload_bytes=nbytes)
-        return jax.tree.unflatten(treedef, out), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        PowerSGDState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
+        init_fields=init_fields,
+    )

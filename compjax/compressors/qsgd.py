@@ -11,6 +11,7 @@ import optax
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_uniforms
 from compjax.compressors.quantized import quantized_mean
 
@@ -20,17 +21,22 @@ class QsgdState(NamedTuple):
 
     Attributes:
       key: uint32 ``(2,)`` PRNG key; steps and workers fold in.
-      count: int32 scalar, number of updates done.
-      payload_bytes: int32 scalar: packed codes of ``qsgd_bits(levels)`` bits
-        per element + 4 bytes of norm per layer, last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step: packed codes of
+        ``qsgd_bits(levels)`` bits per element + 4 bytes of norm per layer + 4
+        (the non-finite vote).
     """
 
     key: jax.Array
     count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def qsgd(levels: int = 256, *, key, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def qsgd(
+    levels: int = 256, *, key, skip_nonfinite: bool = True, axis_name: AxisName = None
+) -> optax.GradientTransformationExtraArgs:
     """QSGD with ``levels`` quantization levels per layer, unbiased.
 
     Alistarh et al. 2017, Sec. 3.1: ``Q_s(v)_i = ‖v‖₂ · sign(v_i) · ξ_i(v, s)``
@@ -44,18 +50,20 @@ def qsgd(levels: int = 256, *, key, axis_name: AxisName = None) -> optax.Gradien
     ``fold_in(fold_in(key, t), w)``.  No error feedback (QSGD is unbiased).
 
     Args:
-      levels: number of quantization levels s, an integer >= 2 (default 256).
-      key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
+      levels: number of quantization levels s, an integer in [2, 2**30] (default
+        256); fixes the code width (``static_args`` of ``optax.inject_hyperparams``).
+      key: int seed, typed key (``jax.random.key``) or raw uint32 key, the same on
         every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
         (:func:`compjax.compressors.keys.step_uniforms`).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
       ``optax.GradientTransformationExtraArgs``.
 
     Raises:
-      ValueError: ``levels < 2`` or not an integer, or a ``key`` that is not a seed
-        or PRNG key (build time).
+      ValueError: ``levels`` outside [2, 2**30] or not an integer, or a ``key`` that
+        is not a seed or PRNG key (build time).
 
     References:
       Alistarh, Grubic, Li, Tomioka & Vojnovic, "QSGD: Communication-Efficient
@@ -65,27 +73,23 @@ def qsgd(levels: int = 256, *, key, axis_name: AxisName = None) -> optax.Gradien
       >>> import compjax as cj
       >>> tx = cj.qsgd(16, key=0, axis_name="data")
     """
-    check_range("levels", levels, 2, 2**30, integer=True)
+    check_range("levels", levels, 2, 2**30, integer=True, static=True)
     levels = int(levels)
     bits = q.qsgd_bits(levels)
     key0 = as_key(key)
 
-    def init_fn(params):
-        del params
-        return QsgdState(key0, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        leaves, treedef = jax.tree.flatten(updates)
-        u = step_uniforms(state.key, state.count, axis_name, leaves)
+    def exchange(ps, fields, ctx):
+        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps)
         means, _, nbytes = quantized_mean(
-            leaves,
+            ps,
             lambda i, x: q.qsgd_encode(x, levels, u[i]),
             lambda i, c, s, shape: q.qsgd_decode(c, s, levels, shape),
             bits,
-            axis_name,
+            ctx.axis_name,
         )
-        new = QsgdState(state.key, state.count + 1, jnp.asarray(nbytes, jnp.int32))
-        return jax.tree.unflatten(treedef, means), new
+        return Exchanged(means, None, {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        QsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite,
+        init_fields=lambda xs: {"key": jnp.array(key0)},
+    )

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax._checks import check_range, check_same_tree
+from compjax._checks import check_range
 from compjax.codecs.sparse import layer_k, randomk_select
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
+from compjax.compressors.error_feedback import SentAt
 from compjax.compressors.keys import as_key, step_key
 from compjax.compressors.sparsified import sparse_layers_mean
 
@@ -23,18 +24,26 @@ class RandomkState(NamedTuple):
       residual: error-feedback memory, same tree as the params (None when
         ``error_feedback=False``).
       key: uint32 ``(2,)`` PRNG key, the same on every worker (steps and workers fold in).
-      count: int32 scalar, number of updates done.
-      payload_bytes: int32 scalar, ``sum_layers k * (4 + itemsize)`` bytes last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``sum_layers k * (4 + itemsize)`` + 4 (the non-finite vote).
     """
 
     residual: Any
     key: jax.Array
     count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
 def randomk(
-    ratio: float, *, key, error_feedback: bool = True, axis_name: AxisName = None
+    ratio: float,
+    *,
+    key,
+    error_feedback: bool = True,
+    skip_nonfinite: bool = True,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k sparsified mean of local gradients.
 
@@ -51,9 +60,12 @@ def randomk(
     all-gather for all layers, scatter-add, divide by the number of workers).
 
     Args:
-      ratio: kept fraction per layer, in (0, 1].
-      key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on every worker.
+      ratio: kept fraction per layer, in (0, 1]; fixes shapes (``static_args``
+        of ``optax.inject_hyperparams``).
+      key: int seed, typed key (``jax.random.key``) or raw uint32 key
+        (``jax.random.PRNGKey``), the same on every worker.
       error_feedback: keep the unsent remainder (else scale by ``d / k``: unbiased).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -73,29 +85,22 @@ def randomk(
       >>> import optax, compjax as cj
       >>> tx = optax.chain(cj.randomk(0.01, key=0, axis_name="data"), optax.sgd(0.1, momentum=0.9))
     """
-    check_range("ratio", ratio, 0.0, 1.0, lo_open=True)
+    check_range("ratio", ratio, 0.0, 1.0, lo_open=True, static=True)
+    ratio = float(ratio)
     key0 = as_key(key)
 
-    def init_fn(params):
-        residual = ef.init_residual(params) if error_feedback else None
-        return RandomkState(residual, key0, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        if error_feedback:
-            check_same_tree(updates, state.residual, "residual")
-        acc = ef.accumulate(state.residual, updates)
-        leaves, treedef = jax.tree.flatten(acc)
-        k_step = step_key(state.key, state.count, axis_name)
+    def exchange(ps, fields, ctx):
+        k_step = step_key(fields["key"], ctx.count, ctx.axis_name)
 
         def select(i, x):
             k = layer_k(x.size, ratio)
             idx, val = randomk_select(x, k, jax.random.fold_in(k_step, i))
             return idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)
 
-        means, indices, nbytes = sparse_layers_mean(leaves, select, axis_name)
-        residual = ef.remainder_sparse(acc, indices) if error_feedback else None
-        new_state = RandomkState(residual, state.key, state.count + 1, jnp.asarray(nbytes, jnp.int32))
-        return jax.tree.unflatten(treedef, means), new_state
+        means, indices, nbytes = sparse_layers_mean(ps, select, ctx.axis_name)
+        return Exchanged(means, SentAt(indices), {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        RandomkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
+        init_fields=lambda xs: {"key": jnp.array(key0)},
+    )

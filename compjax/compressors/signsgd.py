@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from compjax._checks import check_same_tree
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.quantized import quantized_mean
 
 
@@ -20,15 +18,22 @@ class SignsgdState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory e (None when ``error_feedback=False``).
-      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 32)`` bytes of signs
-        + 4 bytes of scale per layer, last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``4 * sum_layers ceil(size / 32)`` bytes of signs + 4 bytes of scale per
+        layer + 4 (the non-finite vote).
     """
 
     residual: Any
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def signsgd(*, error_feedback: bool = True, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def signsgd(
+    *, error_feedback: bool = True, skip_nonfinite: bool = True, axis_name: AxisName = None
+) -> optax.GradientTransformationExtraArgs:
     """EF-signSGD: send ``(‖p‖₁/d)·sign(p)`` per layer, keep what was not sent.
 
     Karimireddy, Rebjock, Stich & Jaggi 2019, Algorithm 1 (EF-SIGNSGD), per
@@ -46,6 +51,7 @@ def signsgd(*, error_feedback: bool = True, axis_name: AxisName = None) -> optax
 
     Args:
       error_feedback: keep ``e`` (else plain scaled signSGD).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -63,19 +69,12 @@ def signsgd(*, error_feedback: bool = True, axis_name: AxisName = None) -> optax
       >>> tx = cj.signsgd(axis_name="data")
     """
 
-    def init_fn(params):
-        return SignsgdState(ef.init_residual(params) if error_feedback else None, jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        if error_feedback:
-            check_same_tree(updates, state.residual, "residual")
-        acc = ef.accumulate(state.residual, updates)
-        leaves, treedef = jax.tree.flatten(acc)
+    def exchange(ps, fields, ctx):
         means, sent, nbytes = quantized_mean(
-            leaves, lambda i, x: q.sign_encode(x), lambda i, c, s, shape: q.sign_decode(c, s, shape), 1, axis_name
+            ps, lambda i, x: q.sign_encode(x), lambda i, c, s, shape: q.sign_decode(c, s, shape), 1, ctx.axis_name
         )
-        residual = ef.remainder(acc, jax.tree.unflatten(treedef, sent)) if error_feedback else None
-        return jax.tree.unflatten(treedef, means), SignsgdState(residual, jnp.asarray(nbytes, jnp.int32))
+        return Exchanged(means, sent, {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        SignsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback
+    )

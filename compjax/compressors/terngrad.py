@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives
+from compjax import bytecount, collectives
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_uniforms
 from compjax.compressors.quantized import quantized_mean
 
@@ -21,17 +22,22 @@ class TerngradState(NamedTuple):
 
     Attributes:
       key: uint32 ``(2,)`` PRNG key (the same on every worker; steps and workers fold in).
-      count: int32 scalar, number of updates done.
-      payload_bytes: int32 scalar: ``4 * sum_layers ceil(size / 16)`` bytes of 2-bit
-        codes + ``4 * num_layers`` bytes of scalers (the max all-reduce), last step.
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``4 * sum_layers ceil(size / 16)`` bytes of 2-bit codes + ``4 * num_layers``
+        bytes of scalers (the max all-reduce) + 4 (the non-finite vote).
     """
 
     key: jax.Array
     count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def terngrad(*, key, clip_sigma: float = 2.5, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def terngrad(
+    *, key, clip_sigma: float = 2.5, skip_nonfinite: bool = True, axis_name: AxisName = None
+) -> optax.GradientTransformationExtraArgs:
     """TernGrad: each layer clipped at ``clip_sigma·σ``, ternarized with a scaler shared by all workers.
 
     Wen et al. 2017, Sec. 3 (stochastic ternarization with a layer-wise scaler,
@@ -44,18 +50,20 @@ def terngrad(*, key, clip_sigma: float = 2.5, axis_name: AxisName = None) -> opt
 
     ``E[sent] = clip(g)``: unbiased for the clipped gradient.  All layers' codes
     travel in one all-gathered uint32 buffer; each worker decodes every worker's
-    codes with the shared scalers and averages, so a step issues 2 collectives.
-    Worker ``w`` at step ``t`` draws its uniforms for all layers at once from
-    ``fold_in(fold_in(key, t), w)`` (in leaf order).  No error feedback (as in the
-    paper).  Choices: the scaler is ``max|clip(g)|`` as in the paper's text (the
-    authors' code uses ``c·σ`` when clipping, equally unbiased); every layer is
-    ternarized, the logit layer included (the authors' code can leave it in float).
+    codes with the shared scalers and averages, so a step issues 2 collectives
+    (plus the non-finite vote).  Worker ``w`` at step ``t`` draws its uniforms for
+    all layers at once from ``fold_in(fold_in(key, t), w)`` (in leaf order).  No
+    error feedback (as in the paper).  Choices: the scaler is ``max|clip(g)|`` as
+    in the paper's text (the authors' code uses ``c·σ`` when clipping, equally
+    unbiased); every layer is ternarized, the logit layer included (the authors'
+    code can leave it in float).
 
     Args:
-      key: int seed or PRNG key (``jax.random.key``/``PRNGKey``), the same on
+      key: int seed, typed key (``jax.random.key``) or raw uint32 key, the same on
         every worker; each step and worker draws from ``fold_in(fold_in(key, step), worker)``
         (:func:`compjax.compressors.keys.step_uniforms`).
-      clip_sigma: positive float c of the clipping at ``c·σ`` (paper: 2.5).
+      clip_sigma: positive float c of the clipping at ``c·σ`` (paper: 2.5); may be traced.
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -73,29 +81,23 @@ def terngrad(*, key, clip_sigma: float = 2.5, axis_name: AxisName = None) -> opt
       >>> tx = cj.terngrad(key=0, axis_name="data")
     """
     check_range("clip_sigma", clip_sigma, 0.0, None, lo_open=True)
-    clip_sigma = float(clip_sigma)
     key0 = as_key(key)
 
-    def init_fn(params):
-        del params
-        return TerngradState(key0, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        leaves, treedef = jax.tree.flatten(updates)
-        clipped = [q.terngrad_clip(x, clip_sigma) for x in leaves]
-        local_max = jnp.stack([jnp.max(jnp.abs(x)) for x in clipped]) if clipped else jnp.zeros((0,))
-        scalers, s_bytes = collectives.max_over_workers(local_max, axis_name)
-        u = step_uniforms(state.key, state.count, axis_name, leaves)
+    def exchange(ps, fields, ctx):
+        clipped = [q.terngrad_clip(x, clip_sigma) for x in ps]
+        local_max = jnp.stack([jnp.max(jnp.abs(x)) for x in clipped])
+        scalers, s_bytes = collectives.max_over_workers(local_max, ctx.axis_name)
+        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps)
         means, _, c_bytes = quantized_mean(
             clipped,
             lambda i, x: (q.terngrad_encode(x, scalers[i], u[i]), jnp.zeros((0,), jnp.float32)),
             lambda i, c, s, shape: q.terngrad_decode(c, scalers[i], shape),
             2,
-            axis_name,
+            ctx.axis_name,
         )
-        out = [m.astype(x.dtype) for m, x in zip(means, leaves)]
-        new = TerngradState(state.key, state.count + 1, jnp.asarray(s_bytes + c_bytes, jnp.int32))
-        return jax.tree.unflatten(treedef, out), new
+        return Exchanged(means, None, {}, bytecount.add(s_bytes, c_bytes))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        TerngradState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite,
+        init_fields=lambda xs: {"key": jnp.array(key0)},
+    )

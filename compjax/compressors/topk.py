@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from compjax._checks import check_range, check_same_tree
+from compjax._checks import check_range
 from compjax.codecs.sparse import layer_k, topk_select
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
+from compjax.compressors.error_feedback import SentAt
 from compjax.compressors.sparsified import sparse_layers_mean
 
 
@@ -21,16 +21,21 @@ class TopkState(NamedTuple):
     Attributes:
       residual: error-feedback memory, same tree/shapes/dtypes as the params
         (None when ``error_feedback=False``).
-      payload_bytes: int32 scalar, bytes this worker put into collectives in the
-        last step: ``sum_layers k * (4 + itemsize)`` (int32 indices + values).
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``sum_layers k * (4 + itemsize)`` (int32 indices + values) + 4 (the
+        non-finite vote); read it with :func:`compjax.payload_bytes`.
     """
 
     residual: Any
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
 def topk(
-    ratio: float, *, error_feedback: bool = True, axis_name: AxisName = None
+    ratio: float, *, error_feedback: bool = True, skip_nonfinite: bool = True, axis_name: AxisName = None
 ) -> optax.GradientTransformationExtraArgs:
     """Top-k sparsified mean of local gradients, with residual error feedback.
 
@@ -44,18 +49,19 @@ def topk(
     all-gather each (:func:`compjax.collectives.sparse_mean`), scatter-added and
     divided by the number of workers.  Indices are flat offsets into the
     concatenation of all layers, so the step issues 2 collectives whatever the
-    number of layers.
+    number of layers (plus the non-finite vote).
 
     Args:
       ratio: kept fraction per layer, in (0, 1].  ``ratio=1`` sends everything
-        (equals :func:`identity` up to summation order).
+        (equals :func:`identity` up to summation order).  It fixes shapes: with
+        ``optax.inject_hyperparams``, list it in ``static_args``.
       error_feedback: keep the unsent remainder and add it next step.
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
       ``optax.GradientTransformationExtraArgs``; ``update`` takes local gradients
-      (pytree of float arrays) and returns the averaged sparse gradients, same
-      structure, shapes and dtypes.
+      and returns the averaged sparse gradients, same structure, shapes and dtypes.
 
     Raises:
       ValueError: ``ratio`` outside (0, 1] (at build time); a gradient tree that
@@ -70,22 +76,15 @@ def topk(
       >>> import optax, compjax as cj
       >>> tx = optax.chain(cj.topk(0.01, axis_name="data"), optax.sgd(0.1, momentum=0.9))
     """
-    check_range("ratio", ratio, 0.0, 1.0, lo_open=True)
+    check_range("ratio", ratio, 0.0, 1.0, lo_open=True, static=True)
+    ratio = float(ratio)
 
-    def init_fn(params):
-        residual = ef.init_residual(params) if error_feedback else None
-        return TopkState(residual=residual, payload_bytes=jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        if error_feedback:
-            check_same_tree(updates, state.residual, "residual")
-        acc = ef.accumulate(state.residual, updates)
-        leaves, treedef = jax.tree.flatten(acc)
+    def exchange(ps, fields, ctx):
         means, indices, nbytes = sparse_layers_mean(
-            leaves, lambda i, x: topk_select(x, layer_k(x.size, ratio)), axis_name
+            ps, lambda i, x: topk_select(x, layer_k(x.size, ratio)), ctx.axis_name
         )
-        residual = ef.remainder_sparse(acc, indices) if error_feedback else None
-        return jax.tree.unflatten(treedef, means), TopkState(residual, jnp.asarray(nbytes, jnp.int32))
+        return Exchanged(means, SentAt(indices), {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(
+        TopkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback
+    )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from compjax._checks import check_range, check_same_tree
+from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
-from compjax.compressors import error_feedback as ef
+from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.quantized import quantized_mean
 
 
@@ -20,15 +19,22 @@ class TwobitState(NamedTuple):
 
     Attributes:
       residual: error-feedback memory, same tree as the params.
-      payload_bytes: int32 scalar, ``4 * sum_layers ceil(size / 16)`` bytes last step
-        (each layer's codes start at a word boundary, as MXNet packs each array).
+      count: int32 scalar, updates applied.
+      skipped: int32 scalar, steps skipped because a worker's gradient was not finite.
+      payload_bytes: uint32 ``(2,)`` byte count of the last step:
+        ``4 * sum_layers ceil(size / 16)`` (each layer's codes start at a word
+        boundary, as MXNet packs each array) + 4 (the non-finite vote).
     """
 
     residual: Any
+    count: jnp.ndarray
+    skipped: jnp.ndarray
     payload_bytes: jnp.ndarray
 
 
-def twobit(threshold: float = 0.5, *, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def twobit(
+    threshold: float = 0.5, *, skip_nonfinite: bool = True, axis_name: AxisName = None
+) -> optax.GradientTransformationExtraArgs:
     """2-bit quantization with MXNet's semantics and a residual.
 
     On ``p = g + residual``: code ``11`` where ``p >= threshold`` (decodes to
@@ -41,7 +47,9 @@ def twobit(threshold: float = 0.5, *, axis_name: AxisName = None) -> optax.Gradi
     all-gathered and each worker decodes all.
 
     Args:
-      threshold: positive float, the quantization threshold (MXNet default 0.5).
+      threshold: positive float, the quantization threshold (MXNet default 0.5);
+        may be traced (``optax.inject_hyperparams``).
+      skip_nonfinite: the non-finite guard (:mod:`compjax.compressors.base`).
       axis_name: worker axis, or None for one worker.
 
     Returns:
@@ -58,24 +66,15 @@ def twobit(threshold: float = 0.5, *, axis_name: AxisName = None) -> optax.Gradi
       >>> tx = cj.twobit(0.5, axis_name="data")
     """
     check_range("threshold", threshold, 0.0, None, lo_open=True)
-    threshold = float(threshold)
 
-    def init_fn(params):
-        return TwobitState(ef.init_residual(params), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        check_same_tree(updates, state.residual, "residual")
-        acc = ef.accumulate(state.residual, updates)
-        leaves, treedef = jax.tree.flatten(acc)
+    def exchange(ps, fields, ctx):
         means, sent, nbytes = quantized_mean(
-            leaves,
+            ps,
             lambda i, x: (q.twobit_encode(x, threshold), jnp.zeros((0,), jnp.float32)),
             lambda i, c, s, shape: q.twobit_decode(c, threshold, shape),
             2,
-            axis_name,
+            ctx.axis_name,
         )
-        residual = ef.remainder(acc, jax.tree.unflatten(treedef, sent))
-        return jax.tree.unflatten(treedef, means), TwobitState(residual, jnp.asarray(nbytes, jnp.int32))
+        return Exchanged(means, sent, {}, nbytes)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return compressor(TwobitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True)

@@ -1,0 +1,227 @@
+"""What every compressor shares, written once: the optax transformation around an exchange.
+
+A compressor is a function that turns this worker's gradients into their
+mean over workers through some wire format (its *exchange*: codec +
+collective).  :func:`compressor` wraps an exchange into an
+``optax.GradientTransformationExtraArgs`` that behaves like any optax
+transformation:
+
+* **Leaves.** Floating-point leaves with at least one element are
+  compressed; integer and boolean leaves, ``float0`` gradients (of integer
+  parameters) and zero-size leaves pass through untouched.  Every output leaf
+  keeps its input's dtype (float32, bfloat16, float16).
+* **Error feedback** (optional): ``p = g + e`` before the exchange and
+  ``e = p - sent`` after it (:mod:`compjax.compressors.error_feedback`).
+* **Non-finite guard** (``skip_nonfinite=True``): each worker checks its
+  local gradients; one 4-byte ``pmax`` over the worker axis tells every worker
+  whether any worker saw a NaN or an infinity.  If so, all workers skip the
+  step together: zero updates, the state (residuals, momenta, Q, keys, the
+  step count) untouched, ``skipped`` up by one.  The exchange still runs (its
+  result is discarded), so no worker waits on another, and its bytes count.
+* **Wire typing.** Under ``jax.shard_map`` every output leaf (updates and
+  state) is typed varying over the same mesh axes as the corresponding input,
+  whichever branch produced it, so the transform composes with ``lax.cond``,
+  ``optax.apply_if_finite``, ``optax.MultiSteps`` and friends.
+* **Byte counts** are exact at any size (:mod:`compjax.bytecount`).
+
+State layout: the compressor's own fields, then ``count`` (int32: updates
+applied), ``skipped`` (int32: steps skipped for non-finite gradients) and
+``payload_bytes`` (uint32 ``(2,)`` byte count of the last step, read with
+:func:`compjax.payload_bytes`).  Per-parameter fields (the residual, DGC's
+velocity and accumulation) are trees shaped like the parameters; leaves that
+pass through hold zeros there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from compjax import bytecount, collectives
+from compjax._checks import check_same_tree
+from compjax.collectives import AxisName
+from compjax.compressors import error_feedback as ef
+
+__all__ = ["COMMON_FIELDS", "Context", "Exchanged", "compressor", "is_compressible"]
+
+#: The fields every compressor state ends with.
+COMMON_FIELDS = ("count", "skipped", "payload_bytes")
+
+
+class Context(NamedTuple):
+    """What an exchange may read besides the leaves and its state fields.
+
+    Attributes:
+      count: int32 scalar, updates applied before this one (drives schedules
+        and keys).
+      axis_name: the worker axis, or None.
+    """
+
+    count: jnp.ndarray
+    axis_name: AxisName
+
+
+class Exchanged(NamedTuple):
+    """What an exchange returns.
+
+    Attributes:
+      means: the mean over workers of the decoded leaves, one per input leaf
+        (any float dtype: cast back to the gradients' dtypes).
+      sent: what this worker sent (for error feedback): the decoded own
+        payload per leaf, or :class:`compjax.compressors.error_feedback.SentAt`;
+        None without error feedback.
+      fields: the compressor's updated state fields (per-parameter fields as
+        lists aligned with the leaves); fields left out are kept.
+      nbytes: bytes this worker put into collectives: a Python int, or a
+        :mod:`compjax.bytecount` uint32 ``(2,)`` count (e.g. chosen by a branch).
+    """
+
+    means: list
+    sent: Any
+    fields: dict
+    nbytes: Any
+
+
+#: ``exchange(leaves, fields, context) -> Exchanged``.
+Exchange = Callable[[list, dict, Context], Exchanged]
+
+
+def is_compressible(x) -> bool:
+    """Whether a leaf goes through the exchange: a floating dtype and at least one element."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and int(x.size) > 0
+
+
+def _pick(tree: Any, sel: Sequence[int]) -> list:
+    leaves = jax.tree.leaves(tree)
+    return [leaves[i] for i in sel]
+
+
+def _put(tree: Any, sel: Sequence[int], part: Sequence) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    for i, x in zip(sel, part):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _like(new: Any, old: Any) -> Any:
+    """``new`` with the dtype and the varying mesh axes of ``old``, leaf by leaf."""
+    return jax.tree.map(lambda n, o: collectives.like_varying(jnp.asarray(n).astype(o.dtype), o), new, old)
+
+
+def compressor(
+    state_cls: type,
+    exchange: Exchange,
+    *,
+    axis_name: AxisName,
+    skip_nonfinite: bool = True,
+    error_feedback: bool = False,
+    init_fields: Callable[[list], dict] | None = None,
+    tree_fields: Sequence[str] = (),
+) -> optax.GradientTransformationExtraArgs:
+    """Build a compressor's optax transformation from its exchange.
+
+    Args:
+      state_cls: the state NamedTuple; its fields are the compressor's own
+        (``"residual"`` among them when it has error feedback), then
+        :data:`COMMON_FIELDS`.
+      exchange: ``exchange(leaves, fields, context) -> Exchanged`` over the
+        compressible leaves (with error feedback: ``p = g + e``); ``fields``
+        holds the state's own fields, per-parameter ones as lists aligned with
+        the leaves.
+      axis_name: worker axis, or None for one worker.
+      skip_nonfinite: the non-finite guard (see the module docstring).
+      error_feedback: keep ``residual = p - sent``.  With False, a
+        ``residual`` field holds None.
+      init_fields: ``init_fields(param_leaves) -> dict`` of the own fields'
+        initial values (per-parameter fields as lists); new buffers on every
+        call (no two state leaves may share one: states are donated).
+      tree_fields: names of per-parameter fields besides ``"residual"``.
+
+    Returns:
+      ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
+      params=None)`` returns ``(means, new_state)``.
+
+    Raises:
+      ValueError: at trace time, a gradient tree whose structure or shapes do
+        not match the per-parameter fields built by ``init``.
+    """
+    own = tuple(f for f in state_cls._fields if f not in COMMON_FIELDS)
+    if state_cls._fields[len(own):] != COMMON_FIELDS:
+        raise TypeError(f"{state_cls.__name__} must end with the fields {COMMON_FIELDS}")
+    trees = (("residual",) if "residual" in own else ()) + tuple(tree_fields)
+
+    def init_fn(params):
+        leaves, treedef = jax.tree.flatten(params)
+        leaves = [jnp.asarray(x) for x in leaves]
+        sel = [i for i, x in enumerate(leaves) if is_compressible(x)]
+        xs = [leaves[i] for i in sel]
+        fields = dict(init_fields(xs)) if init_fields is not None else {}
+        if "residual" in own:
+            fields["residual"] = [jnp.zeros_like(x) for x in xs] if error_feedback else None
+        for name in trees:
+            if fields[name] is not None:  # pass-through leaves hold (new) zeros
+                fields[name] = _put(jax.tree.unflatten(treedef, [jnp.zeros_like(x) for x in leaves]), sel,
+                                    fields[name])
+        return state_cls(
+            **fields, count=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
+            payload_bytes=bytecount.zeros(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        leaves, treedef = jax.tree.flatten(updates)
+        sel = [i for i, g in enumerate(leaves) if is_compressible(g)]
+        xs = [leaves[i] for i in sel]
+        old = {f: getattr(state, f) for f in own}
+        for name in trees:
+            if old[name] is not None:
+                check_same_tree(updates, old[name], name)
+                old[name] = _pick(old[name], sel)
+                bad_ref = [i for i, r in zip(sel, old[name]) if not jnp.issubdtype(r.dtype, jnp.floating)]
+                if bad_ref:
+                    raise ValueError(
+                        f"gradient leaves {bad_ref} are floating point but the {name} built by init holds "
+                        "integer leaves there: was the state built for other parameters?"
+                    )
+        if not xs:  # nothing to send
+            nbytes, new = 0, old
+            outs, count, skipped = [], state.count + 1, state.skipped
+        else:
+            ctx = Context(state.count, axis_name)
+            if skip_nonfinite:
+                local_bad = ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+                bad, flag_bytes = collectives.any_over_workers(local_bad, axis_name)
+            ps = ef.accumulate(old["residual"], xs) if error_feedback else list(xs)
+            out = exchange(ps, old, ctx)
+            new = {**old, **out.fields}
+            if error_feedback:
+                new["residual"] = ef.remainder(ps, out.sent)
+            outs = [m.astype(x.dtype) for m, x in zip(out.means, xs)]
+            count, skipped, nbytes = state.count + 1, state.skipped, out.nbytes
+            if skip_nonfinite:
+                outs = [jnp.where(bad, jnp.zeros_like(o), o) for o in outs]
+                new = jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
+                count = jnp.where(bad, state.count, count)
+                skipped = skipped + bad.astype(jnp.int32)
+                nbytes = bytecount.add(nbytes, flag_bytes)
+            outs = [collectives.like_varying(o, x) for o, x in zip(outs, xs)]
+            new = _like(new, old)
+        nbytes = bytecount.constant(nbytes) if isinstance(nbytes, int) else nbytes
+        fields = dict(new)
+        for name in trees:
+            if fields[name] is not None:
+                fields[name] = _put(getattr(state, name), sel, fields[name])
+        new_state = state_cls(
+            **fields,
+            count=_like(count, state.count),
+            skipped=_like(skipped, state.skipped),
+            payload_bytes=_like(nbytes, state.payload_bytes),
+        )
+        return jax.tree.unflatten(treedef, _put(leaves, sel, outs)), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
