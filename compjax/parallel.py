@@ -1,16 +1,23 @@
-"""Data-parallel plumbing: meshes, the worker-stacked state layout and a train-step builder.
+"""Data-parallel plumbing: meshes, the worker-stacked state layout and train-step builders.
 
-Layout (DESIGN.md §4): parameters and optimizer state carry a leading worker
-axis of size n, sharded over the mesh's data axis with ``P(axis_name)``; inside
-``jax.shard_map`` each device sees its own slice.  Keeping parameters
-worker-stacked (each worker its own copy, kept equal by the compressor's mean)
-means gradients are taken with respect to per-worker values, so JAX inserts no
-dense all-reduce of its own: the compiled step carries only the compressor's
-collectives.
+Layout: parameters and optimizer state carry a leading worker axis of size n
+(one slice per worker), sharded over the mesh's data axis with
+``P(axis_name)``, so device i holds worker i's copy; inside ``jax.shard_map``
+each device takes its slice ``x[0]``, runs the step on unstacked values and
+re-stacks the result with ``x[None]``.  Keeping parameters worker-stacked (each
+worker its own copy, kept equal by the compressor's mean) means gradients are
+taken with respect to per-worker values, so JAX inserts no dense all-reduce of
+its own: the compiled step carries only the compressor's collectives.
+
+Two front ends share this layout: pure pytrees (:func:`replicate`,
+:func:`init_worker_state`, :func:`data_parallel_step`) and Flax NNX objects,
+whose Variables are stacked in place (:func:`nnx_replicate`,
+:func:`nnx_data_parallel_step`, :func:`nnx_unreplicate`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +32,9 @@ __all__ = [
     "data_parallel_step",
     "init_worker_state",
     "make_mesh",
+    "nnx_data_parallel_step",
+    "nnx_replicate",
+    "nnx_unreplicate",
     "replicate",
     "shard_batch",
     "unreplicate",
@@ -52,13 +62,22 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data") -> Any:
       mesh: the mesh; ``n = mesh.shape[axis_name]``.
 
     Returns:
-      The same tree with leaves of shape ``(n, *shape)``, one slice per device.
+      The same tree with leaves of shape ``(n, *shape)``, one slice per device,
+      each leaf in buffers of its own (safe to donate).
     """
-    n = mesh.shape[axis_name]
-    sharding = NamedSharding(mesh, P(axis_name))
-    return jax.tree.map(
-        lambda x: jax.device_put(jnp.broadcast_to(jnp.asarray(x)[None], (n, *jnp.shape(x))), sharding), tree
-    )
+    return jax.tree.map(lambda x: _stack_copies(x, mesh, axis_name), tree)
+
+
+def _stack_copies(x: Any, mesh: Mesh, axis_name: str) -> jax.Array:
+    """``n`` copies of ``x`` stacked on a new leading axis, in a new buffer, sharded ``P(axis_name)``.
+
+    The spec names every dimension (``P(axis_name, None, ...)``), as jitted
+    steps return their outputs: the same spec on the first and later calls, so
+    the step's second call does not compile again.
+    """
+    x = jnp.asarray(x)
+    sharding = NamedSharding(mesh, P(axis_name, *(None,) * x.ndim))
+    return jax.device_put(jnp.broadcast_to(x[None], (mesh.shape[axis_name], *x.shape)), sharding)
 
 
 def unreplicate(tree: Any) -> Any:
@@ -129,3 +148,183 @@ def data_parallel_step(
 
     sharded = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec))
     return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+
+
+# --------------------------------------------------------------------------- Flax NNX
+
+
+def _nnx():
+    from flax import nnx  # imported on first use: the pure-pytree API does not need Flax
+
+    return nnx
+
+
+def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data") -> None:
+    """Give every Variable of the NNX objects ``nodes`` the worker axis, in place.
+
+    Each Variable's value ``x`` (any shape and dtype) becomes ``n`` stacked
+    copies, shape ``(n, *x.shape)``, sharded ``P(axis_name)``: every worker
+    starts equal.  Each leaf gets buffers of its own, so the state can be
+    donated (``nnx_data_parallel_step(..., donate=True)``).  Variables shared
+    between the nodes are stacked once.
+
+    Build the optimizer *before* replicating: ``nnx.Optimizer`` must see one
+    worker's parameter shapes (compressor state such as top-k's ``k`` depends
+    on them), then replicate model and optimizer together.
+
+    Args:
+      mesh: the mesh; ``n = mesh.shape[axis_name]``.
+      *nodes: NNX objects (``nnx.Module``, ``nnx.Optimizer``, ...) holding one
+        worker's values.
+      axis_name: the data axis.
+
+    Raises:
+      ValueError: a Variable is already sharded over ``axis_name`` of ``mesh``
+        (replicated twice, or an optimizer built from a replicated model);
+        nothing is changed then.
+
+    Examples:
+      >>> model = Model(rngs=nnx.Rngs(0))                       # doctest: +SKIP
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)   # doctest: +SKIP
+      >>> parallel.nnx_replicate(mesh, model, optimizer)        # doctest: +SKIP
+    """
+    nnx = _nnx()
+    state = nnx.state(nodes)  # one State for all nodes: shared Variables appear once
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh == mesh and s.spec and s.spec[0] == axis_name:
+            raise ValueError(
+                f"{jax.tree_util.keystr(path)} is already sharded {s.spec} over {axis_name!r}: replicate once, "
+                "after building the optimizer on one worker's model"
+            )
+
+    nnx.update(nodes, jax.tree.map(lambda x: _stack_copies(x, mesh, axis_name), state))
+
+
+def nnx_unreplicate(node: Any) -> Any:
+    """A regular (unstacked) copy of worker 0's ``node``, for evaluation or checkpointing.
+
+    Args:
+      node: an NNX object (or a tuple of them, which keeps references they
+        share) replicated with :func:`nnx_replicate`.
+
+    Returns:
+      A new object of the same type whose Variables hold worker 0's values
+      (shape without the worker axis, same dtype) as JAX arrays on worker 0's
+      device, in buffers of their own; ``node`` is not changed.
+
+    Examples:
+      >>> eval_model = parallel.nnx_unreplicate(model)          # doctest: +SKIP
+      >>> eval_model(x_test).shape                              # doctest: +SKIP
+    """
+    nnx = _nnx()
+    graphdef, state = nnx.split(node)
+
+    def first(x):
+        return x.addressable_shards[0].data[0] if hasattr(x, "addressable_shards") else jnp.asarray(x)[0]
+
+    return nnx.merge(graphdef, jax.tree.map(first, state))
+
+
+def _check_donatable(state: Any) -> None:
+    """Refuse arrays that cannot be donated (XLA:CPU over several devices crashes on them rather than raising)."""
+    leaves = jax.tree.leaves(state)
+    if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        raise ValueError(
+            "a Variable holds an array already donated to an earlier step: keep the model and optimizer the "
+            "step updated (not copies of their state taken before it), or build the step with donate=False"
+        )
+    if len({id(x) for x in leaves}) < len(leaves):
+        raise ValueError(
+            "two Variables hold the same array, which cannot be donated twice: give each its own copy "
+            "(nnx_replicate does) or build the step with donate=False"
+        )
+
+
+def nnx_data_parallel_step(
+    loss_fn: Callable[[Any, Any], jnp.ndarray],
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    donate: bool = False,
+) -> Callable[[Any, Any, Any], jnp.ndarray]:
+    """Build a data-parallel train step for an NNX model and ``nnx.Optimizer``.
+
+    On each worker's slice, under ``jax.shard_map`` and ``jax.jit`` (compiled
+    once per graph structure and input shapes)::
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model, local_batch)  # w.r.t. optimizer.wrt
+        optimizer.update(model, grads)   # the compressor in optimizer.tx averages over axis_name
+
+    then the new worker-stacked state is written back into ``model`` and
+    ``optimizer`` (``nnx.update``).  As in :func:`data_parallel_step`,
+    gradients are local and the compiled step carries only the compressor's
+    collectives.  Variables other than the optimized ones (batch statistics,
+    RNG counters) are updated per worker from the local batch; RNG streams
+    start equal on every worker, so random draws (dropout) are the same on all
+    workers.
+
+    Args:
+      loss_fn: ``(model, batch) -> scalar loss`` for one worker's batch; it may
+        update the model's non-optimized Variables.
+      mesh: mesh with axis ``axis_name`` (n workers).
+      axis_name: the data axis; the compressor in the optimizer's ``tx`` must
+        use the same name.
+      donate: donate the model's and optimizer's buffers to the step (the
+        arrays held before the call are deleted; the objects get the new ones).
+
+    Returns:
+      ``train_step(model, optimizer, batch) -> loss``: model and optimizer
+      replicated with :func:`nnx_replicate` (updated in place), batch a pytree
+      of arrays split along their leading axis (put on the mesh with
+      :func:`shard_batch` unless already there), loss a float array of shape
+      ``(n,)`` (each worker's local loss).  ``train_step.lower(model, optimizer,
+      batch)`` lowers the underlying jitted function (so
+      :func:`compjax.audit_collectives` accepts ``train_step``), and
+      ``train_step.jitted`` is that function, ``(graphdef, state, batch) ->
+      (state, loss)``.
+
+    Raises:
+      ValueError: at call time, a batch leading dimension not divisible by n,
+        or (with ``donate``) a Variable holding an array already donated or
+        the same array as another Variable.
+
+    Examples:
+      >>> parallel.nnx_replicate(mesh, model, optimizer)                  # doctest: +SKIP
+      >>> train_step = parallel.nnx_data_parallel_step(loss_fn, mesh)     # doctest: +SKIP
+      >>> for batch in batches:                                           # doctest: +SKIP
+      ...     loss = jax.block_until_ready(train_step(model, optimizer, batch))
+      >>> cj.audit_collectives(train_step, model, optimizer, batch)       # doctest: +SKIP
+    """
+    nnx = _nnx()
+    spec = P(axis_name)
+
+    def body(graphdef, state, batch):
+        model, optimizer = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))
+        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt))
+        loss, grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        state = jax.tree.map(lambda x: x[None], nnx.state((model, optimizer)))
+        return state, jnp.reshape(loss, (1,))
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1,) if donate else ())
+    def jitted(graphdef, state, batch):
+        sharded = jax.shard_map(
+            functools.partial(body, graphdef), mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)
+        )
+        return sharded(state, batch)
+
+    def train_step(model, optimizer, batch):
+        graphdef, state = nnx.split((model, optimizer))
+        if donate:
+            _check_donatable(state)
+        state, loss = jitted(graphdef, state, shard_batch(batch, mesh, axis_name))
+        nnx.update((model, optimizer), state)
+        return loss
+
+    def lower(model, optimizer, batch):
+        return jitted.lower(*nnx.split((model, optimizer)), shard_batch(batch, mesh, axis_name))
+
+    train_step.lower = lower
+    train_step.jitted = jitted
+    return train_step
