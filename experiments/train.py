@@ -8,6 +8,16 @@ accelerator).  Prints per-epoch test accuracy, payload bytes per step per worker
 and the compression ratio against the dense baseline (4 bytes x parameters),
 both measured from the compressor state; writes a JSONL record (one line per
 epoch, then a summary line) to ``--out``.
+
+Non-finite gradients: the whole chain (compressor + SGD) is wrapped in
+``cj.apply_if_finite``, so when any worker's gradient holds a NaN or an
+infinity all workers skip the step together, momentum and learning-rate
+schedule included: a skipped step is a step that never happened.  Each one is
+printed and listed (``skipped_steps``, counted from 0) in the epoch lines and
+the summary.  ``--no-skip-nonfinite`` turns that guard and the compressor's own
+(``skip_nonfinite``) off.  ``--poison-step N`` puts a NaN into one worker's
+batch at step N; ``--skip-batch N`` drops step N's batch instead, the reference
+run the poisoned one should match exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -30,7 +41,7 @@ import optax
 from tqdm import tqdm
 
 import compjax as cj
-from compjax import parallel
+from compjax import bytecount, parallel
 from experiments import cifar10, compressors, data, models
 
 AXIS = "data"
@@ -61,7 +72,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--download", action="store_true", help="download the canonical files if missing")
     p.add_argument("--out", type=Path, default=None, help="JSONL file (default results/runs/<compressor>.jsonl)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-skip-nonfinite", action="store_true",
+                   help="turn off both non-finite guards: the cj.apply_if_finite wrapper that skips the "
+                        "whole step on every worker when any worker's gradient has a NaN/inf, and the "
+                        "compressor's own skip_nonfinite (a non-finite gradient then reaches the parameters)")
+    p.add_argument("--poison-step", type=int, default=None, metavar="N",
+                   help="set one input value of worker --poison-worker's shard of step N's batch to NaN; "
+                        "steps are counted from 0 (0 is the first step), one per batch taken, across epochs")
+    p.add_argument("--poison-worker", type=int, default=None, metavar="W",
+                   help="the worker whose shard --poison-step poisons, in [0, workers) (default 0); worker "
+                        "W holds rows [W*b, (W+1)*b) of the global batch, b = batch size / workers")
+    p.add_argument("--skip-batch", type=int, default=None, metavar="N",
+                   help="drop step N's batch (counted from 0, like --poison-step): no step is run for it "
+                        "and the run goes on with the next batch, so it runs one step fewer (the "
+                        "learning-rate schedule keeps the full run's length); the reference that a "
+                        "--poison-step N run should match")
     return p.parse_args(argv)
+
+
+def count_steps(args, n_train: int) -> int:
+    """Steps of the run (batches taken) for ``n_train`` images: epochs x full batches, capped by --max-steps."""
+    steps = n_train // args.batch_size * args.epochs
+    return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def check_step_flags(args, workers: int, steps_total: int | None = None) -> None:
+    """Validate --poison-step, --poison-worker and --skip-batch; raise SystemExit with a one-line message.
+
+    ``steps_total`` None (before loading the data): check against the bounds
+    known without the data (--max-steps, --train-limit); then call again with
+    the run's steps.
+    """
+    at_most = "at most " if steps_total is None else ""
+    if steps_total is None:
+        bounds = [args.max_steps] if args.max_steps is not None else []
+        if args.train_limit:
+            bounds.append(count_steps(args, args.train_limit))
+        steps_total = min(bounds) if bounds else None
+    for flag, value in (("--poison-step", args.poison_step), ("--skip-batch", args.skip_batch)):
+        if value is None:
+            continue
+        if value < 0:
+            raise SystemExit(f"{flag} {value}: steps are counted from 0, so it must be >= 0")
+        if steps_total is not None and value >= steps_total:
+            raise SystemExit(f"{flag} {value}: this run has {at_most}{steps_total} steps, counted from 0, so "
+                             f"it must be in [0, {steps_total})")
+    if args.poison_worker is not None:
+        if args.poison_step is None:
+            raise SystemExit("--poison-worker needs --poison-step (the step whose batch it poisons)")
+        if not 0 <= args.poison_worker < workers:
+            raise SystemExit(f"--poison-worker {args.poison_worker} must be in [0, {workers}) (the workers)")
+    if args.poison_step is not None and args.poison_step == args.skip_batch:
+        raise SystemExit(f"--poison-step and --skip-batch both name step {args.skip_batch}: a dropped batch "
+                         "cannot be poisoned")
 
 
 def lr_schedule(args, steps_total: int) -> optax.Schedule:
@@ -101,27 +164,57 @@ def transform(args, compressor: optax.GradientTransformation, steps_total: int) 
     return optax.chain(*decay, optax.scale_by_learning_rate(lr_schedule(args, steps_total)), compressor, *after)
 
 
+def guard(args, tx: optax.GradientTransformation, axis_name: str | None) -> optax.GradientTransformation:
+    """``tx`` wrapped in ``cj.apply_if_finite`` over ``axis_name`` (unless ``--no-skip-nonfinite``).
+
+    When any worker's gradient holds a NaN or an infinity, every worker skips
+    the whole step: no update, compressor state, momentum and the schedule's
+    count untouched (the compressor's own guard would only zero its output,
+    and the momentum after it would still move the parameters).
+    """
+    return tx if args.no_skip_nonfinite else cj.apply_if_finite(tx, axis_name=axis_name)
+
+
+def poison(x: np.ndarray, worker: int, workers: int) -> np.ndarray:
+    """A copy of the global batch ``x`` with the first value of ``worker``'s shard set to NaN."""
+    x = np.array(x, copy=True)
+    x.reshape(workers, -1)[worker, 0] = np.nan  # worker W holds rows [W*b, (W+1)*b)
+    return x
+
+
+def digest(tree) -> str:
+    """SHA-256 of a pytree's leaves (dtype, shape and bytes, in tree order): equal iff bitwise equal."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.time()
-    x_train, y_train, x_test, y_test = DATASETS[args.dataset](args.data_dir, download=args.download)
-    if args.train_limit:
-        x_train, y_train = x_train[: args.train_limit], y_train[: args.train_limit]
     mesh = parallel.make_mesh(args.workers, AXIS)
     n = mesh.shape[AXIS]
     if args.batch_size % n:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {n} workers")
+    check_step_flags(args, n)  # before loading the data: what is known without it
+    x_train, y_train, x_test, y_test = DATASETS[args.dataset](args.data_dir, download=args.download)
+    if args.train_limit:
+        x_train, y_train = x_train[: args.train_limit], y_train[: args.train_limit]
 
     steps_per_epoch = len(x_train) // args.batch_size
-    steps_total = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        steps_total = min(steps_total, args.max_steps)
+    steps_total = count_steps(args, len(x_train))  # batches taken; --skip-batch runs one step fewer
+    check_step_flags(args, n, steps_total)
+    skip_nonfinite = not args.no_skip_nonfinite
+    poison_worker = 0 if args.poison_worker is None else args.poison_worker
 
     params, apply, loss_fn = models.build(args.seed, model=args.model)
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     dense_bytes = 4 * num_params  # identity's float32 all-reduce payload
-    compressor, comp_opts = compressors.build(args, AXIS)
-    tx = transform(args, compressor, steps_total)
+    compressor, comp_opts = compressors.build(args, AXIS, skip_nonfinite=skip_nonfinite)
+    tx = guard(args, transform(args, compressor, steps_total), AXIS)
 
     p = parallel.replicate(params, mesh, AXIS)
     s = parallel.init_worker_state(tx, params, mesh, AXIS)
@@ -134,54 +227,84 @@ def main(argv=None) -> dict:
               "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
               "lr_before_compressor": args.lr_before_compressor,
               "warmup_steps": args.warmup_steps, "seed": args.seed, "workers": n,
+              "skip_nonfinite": skip_nonfinite, "poison_step": args.poison_step,
+              "poison_worker": poison_worker if args.poison_step is not None else None,
+              "skip_batch": args.skip_batch,
               "train_images": len(x_train), "num_params": num_params, "backend": jax.default_backend()}
     print(f"compjax main job: {args.compressor} {comp_opts} | {n} workers on {jax.default_backend()} | "
           f"{num_params:,} params | {steps_total} steps", flush=True)
 
     rng = np.random.default_rng(args.seed)
-    records, done, bytes_per_step, bytes_total = [], 0, 0, 0
+    # done: steps taken so far (one per batch, a dropped one included), i.e. the 0-based index of the next
+    # step, the count --poison-step and --skip-batch name; run: steps run; skipped: steps the guard skipped.
+    records, done, run, skipped, bytes_per_step, bytes_total = [], 0, 0, [], 0, 0
     with open(out, "w") as f, tqdm(total=steps_total, disable=args.no_progress, unit="step") as bar:
         for epoch in range(args.epochs):
             if done >= steps_total:
                 break
             perm = rng.permutation(len(x_train))
-            losses = []
+            losses, skipped_epoch = [], []
             for i in range(steps_per_epoch):
                 if done >= steps_total:
                     break
                 idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
                 x = cifar10.random_crop_flip(x_train[idx], rng) if args.augment else x_train[idx]
+                if done == args.skip_batch:  # after the augmentation: later batches draw the same randomness
+                    tqdm.write(f"step {done}: batch dropped (--skip-batch)")
+                    done += 1
+                    bar.update(1)
+                    continue
+                if done == args.poison_step:
+                    x = poison(x, poison_worker, n)
                 batch = parallel.shard_batch((x, y_train[idx]), mesh, AXIS)
                 p, s, loss = step(p, s, batch)
-                loss = jax.block_until_ready(loss)  # one collective step in flight at a time (CPU)
-                bytes_per_step = int(np.asarray(cj.payload_bytes(s))[0])
-                bytes_total += bytes_per_step
-                losses.append(float(np.mean(np.asarray(loss))))
+                loss = np.asarray(jax.block_until_ready(loss))  # one collective step in flight at a time
+                run += 1
+                if isinstance(s, cj.ApplyIfFiniteState) and not bool(np.asarray(s.last_finite)[0]):
+                    # Only the wrapper's vote went over the wire (the chain inside it did not run).
+                    bytes_total += int(bytecount.to_int(np.asarray(s.payload_bytes))[0])
+                    bad = ", ".join(str(w) for w in np.flatnonzero(~np.isfinite(loss)))
+                    who = f" (non-finite loss on worker {bad})" if bad else ""
+                    tqdm.write(f"step {done}: non-finite gradient on a worker{who}; "
+                               f"all {n} workers skipped it")
+                    skipped_epoch.append(done)
+                else:
+                    bytes_per_step = int(np.asarray(cj.payload_bytes(s))[0])
+                    bytes_total += bytes_per_step
+                    losses.append(float(np.mean(loss)))
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 done += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            skipped += skipped_epoch
             acc = models.accuracy(apply, parallel.unreplicate(p), x_test, y_test)
-            rec = {"kind": "epoch", "epoch": epoch + 1, "step": done, "train_loss": float(np.mean(losses)),
+            rec = {"kind": "epoch", "epoch": epoch + 1, "step": done,
+                   "train_loss": float(np.mean(losses)) if losses else None,  # over the steps applied
                    "test_accuracy": acc, "payload_bytes_per_step": bytes_per_step,
                    "compression_ratio": dense_bytes / bytes_per_step if bytes_per_step else None,
-                   "wall_s": time.time() - t_start}
+                   "skipped_steps": skipped_epoch, "wall_s": time.time() - t_start}
             records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()
             ratio = f"{rec['compression_ratio']:.1f}x" if rec["compression_ratio"] else "n/a"
-            tqdm.write(f"epoch {epoch + 1}: test accuracy {acc:.4f} | train loss {rec['train_loss']:.4f} | "
+            loss_txt = "n/a" if rec["train_loss"] is None else f"{rec['train_loss']:.4f}"
+            tqdm.write(f"epoch {epoch + 1}: test accuracy {acc:.4f} | train loss {loss_txt} | "
                        f"payload {bytes_per_step:,} B/step/worker | ratio vs identity {ratio}")
-        summary = {"kind": "summary", "config": config, "steps": done,
+        summary = {"kind": "summary", "config": config, "steps": run, "steps_applied": run - len(skipped),
+                   "skipped_steps": skipped,
                    "test_accuracy": records[-1]["test_accuracy"] if records else None,
+                   "train_loss": records[-1]["train_loss"] if records else None,
                    "payload_bytes_per_step": bytes_per_step,
-                   "payload_bytes_mean_per_step": bytes_total / max(done, 1),
+                   "payload_bytes_mean_per_step": bytes_total / max(run, 1),
                    "dense_bytes_per_step": dense_bytes,
-                   "compression_ratio": dense_bytes / (bytes_total / done) if bytes_total else None,
+                   "compression_ratio": dense_bytes / (bytes_total / run) if bytes_total else None,
+                   "params_finite": all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(p))),
+                   "params_sha256": digest(p),
                    "wall_s": time.time() - t_start}
         f.write(json.dumps(summary) + "\n")
     ratio = f"{summary['compression_ratio']:.1f}x" if summary["compression_ratio"] else "n/a"
     print(f"SUMMARY compressor={args.compressor} options={json.dumps(comp_opts)} "
           f"test_accuracy={summary['test_accuracy']:.4f} bytes/step/worker={bytes_per_step} ratio={ratio} "
+          f"skipped_steps={skipped} "
           f"wall={summary['wall_s']:.0f}s record={out}", flush=True)
     return summary
 

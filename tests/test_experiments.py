@@ -50,6 +50,77 @@ def test_registry_builds_every_compressor():
         assert has_trace == (not compressors.momentum_inside(name))
 
 
+def test_registry_passes_skip_nonfinite_to_every_compressor():
+    """build(..., skip_nonfinite=) reaches every factory: a NaN gradient is skipped only with the guard on."""
+    params = {"w": np.zeros((8, 8), np.float32), "b": np.zeros(8, np.float32)}
+    grads = {"w": np.full((8, 8), np.nan, np.float32), "b": np.ones(8, np.float32)}
+    for name in compressors.REGISTRY:
+        args = train.parse_args(["--compressor", name])
+        for skip in (True, False):
+            tx, _ = compressors.build(args, None, skip_nonfinite=skip)
+            _, state = tx.update(grads, tx.init(params), params)
+            assert int(state.skipped) == int(skip), (name, skip)
+
+
+TINY = ["--compressor", "topk", "--ratio", "0.05", "--epochs", "1", "--train-limit", "512",
+        "--batch-size", "64", "--no-progress"]
+
+
+def test_poisoned_step_is_skipped_like_a_dropped_batch(tmp_path, capsys):
+    """A NaN in one worker's batch at step 2 ends exactly like a run that drops step 2's batch."""
+    poisoned = train.main(TINY + ["--max-steps", "5", "--poison-step", "2", "--poison-worker", "3",
+                                  "--out", str(tmp_path / "p.jsonl")])
+    printed = capsys.readouterr().out
+    dropped = train.main(TINY + ["--max-steps", "5", "--skip-batch", "2", "--out", str(tmp_path / "s.jsonl")])
+    line = "step 2: non-finite gradient on a worker (non-finite loss on worker 3); all 8 workers skipped it"
+    assert line in printed
+    assert poisoned["skipped_steps"] == [2] and dropped["skipped_steps"] == []
+    assert (poisoned["steps"], dropped["steps"]) == (5, 4)
+    assert poisoned["steps_applied"] == dropped["steps_applied"] == 4
+    # Bitwise: the skipped step left parameters, compressor residuals, momentum and the schedule as they were.
+    assert poisoned["params_sha256"] == dropped["params_sha256"] and poisoned["params_finite"]
+    assert poisoned["test_accuracy"] == dropped["test_accuracy"]
+    assert poisoned["train_loss"] == dropped["train_loss"] and np.isfinite(poisoned["train_loss"])
+    epoch = json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0])
+    assert epoch["kind"] == "epoch" and epoch["skipped_steps"] == [2]
+
+
+def test_poisoned_step_without_the_guards_ruins_the_run(tmp_path):
+    """With --no-skip-nonfinite the same NaN reaches the parameters: the guards are what protect the run."""
+    summary = train.main(TINY + ["--max-steps", "3", "--poison-step", "1", "--no-skip-nonfinite",
+                                 "--out", str(tmp_path / "n.jsonl")])
+    assert summary["skipped_steps"] == [] and summary["config"]["skip_nonfinite"] is False
+    assert summary["params_finite"] is False and not np.isfinite(summary["train_loss"])
+    assert summary["test_accuracy"] <= 0.15  # NaN logits: chance (10 classes)
+
+
+def _no_data(*args, **kwargs):
+    raise AssertionError("the flags should have been rejected before loading the data")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--poison-step", "-1"], "--poison-step"),
+    (["--skip-batch", "-1"], "--skip-batch"),
+    (["--max-steps", "5", "--poison-step", "5"], "--poison-step"),
+    (["--epochs", "1", "--train-limit", "512", "--batch-size", "64", "--skip-batch", "8"], "--skip-batch"),
+    (["--poison-step", "1", "--poison-worker", "8"], "--poison-worker"),
+    (["--poison-step", "1", "--poison-worker", "-1"], "--poison-worker"),
+    (["--poison-worker", "1"], "--poison-worker"),
+    (["--poison-step", "1", "--skip-batch", "1"], "--poison-step"),
+])
+def test_bad_step_flags_fail_before_loading_data(monkeypatch, argv, flag):
+    monkeypatch.setitem(train.DATASETS, "fashion_mnist", _no_data)
+    with pytest.raises(SystemExit, match=flag):
+        train.main(argv + ["--no-progress"])
+
+
+def test_step_flags_beyond_the_run_fail(tmp_path):
+    """The run's length is known once the data is: 1 epoch of 60000 images in batches of 256 is 234 steps."""
+    argv = ["--epochs", "1", "--poison-step", "234", "--out", str(tmp_path / "x.jsonl"), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"--poison-step 234: this run has 234 steps.*\[0, 234\)"):
+        train.main(argv)
+
+
 def test_main_job_runs_and_writes_records(tmp_path):
     out = tmp_path / "run.jsonl"
     summary = train.main(["--compressor", "topk", "--ratio", "0.05", "--max-steps", "3", "--epochs", "1",
