@@ -180,12 +180,12 @@ def powersgd(
             dense_out, d_bytes = collectives.dense_mean_arrays([ps[i] for i in dense], ctx.axis_name)
             out = [None] * len(ps)
             for i, p, q in zip(lowrank, p_hat, q_mean):
-                out[i] = from_matrix(p @ q.T, shapes[i])
+                out[i] = from_matrix(p @ q.T, shapes[i]).astype(ps[i].dtype)
             for i, o in zip(dense, dense_out):
                 out[i] = o
             # Dense leaves were sent whole: nothing remains of them.
             sent = [out[i] if i in set(lowrank) else ps[i] for i in range(len(ps))]
-            result = ([o.astype(x.dtype) for o, x in zip(out, ps)], sent, tuple(q_mean))
+            result = (out, sent, tuple(q_mean))
             return collectives.match_varying(result, (ps, ps, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
 
         def uncompressed(_):
