@@ -4,7 +4,8 @@ JAX runs with 32-bit integers unless x64 is enabled, and an int32 counter
 overflows at 2 GiB, which one step of a large model exceeds (a 100B-parameter
 float32 all-reduce is 4·10¹¹ bytes).  Compressor states therefore hold their
 byte counts as a uint32 array of shape ``(..., 2)``: ``[low word, high word]``,
-the value ``low + 2**32 * high`` (exact up to 2⁶⁴ − 1 bytes).  Counts are
+the value ``low + 2**32 * high``, exact up to ``MAX = 2**63 - 1`` bytes (read
+on the host as int64).  Counts are
 built from Python ints at trace time (:func:`constant`), added inside a jitted
 step with a carry (:func:`add`) and read on the host as int64
 (:func:`to_int`, used by :func:`compjax.payload_bytes`).
@@ -17,8 +18,8 @@ import numpy as np
 
 __all__ = ["MAX", "add", "constant", "to_int", "zeros"]
 
-#: The largest count the two words hold.
-MAX = 2**64 - 1
+#: The largest count: the host reads counts as int64 (sums in jit wrap past 2**64 unchecked).
+MAX = 2**63 - 1
 _WORD = 2**32
 
 
@@ -26,13 +27,13 @@ def constant(n: int) -> jnp.ndarray:
     """The count of ``n`` bytes as a uint32 ``(2,)`` array ``[n mod 2**32, n // 2**32]``.
 
     Args:
-      n: a Python int in ``[0, 2**64)`` (a static byte count).
+      n: a Python int in ``[0, MAX]`` (a static byte count).
 
     Raises:
       ValueError: ``n`` is negative, too large, or not an int.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= int(n) <= MAX:
-        raise ValueError(f"a byte count must be an int in [0, 2**64), got {n!r}")
+        raise ValueError(f"a byte count must be an int in [0, 2**63 - 1], got {n!r}")
     n = int(n)
     return jnp.asarray(np.array([n % _WORD, n // _WORD], np.uint32))
 

@@ -53,7 +53,8 @@ def reduce_bytes(x: jnp.ndarray) -> int:
     ``x.size * itemsize``, except for bfloat16 on the CPU backend, whose
     all-reduces XLA:CPU widens to float32 on the wire (the compiled program's
     all-reduce operand is f32, as :func:`compjax.audit_collectives` shows):
-    4 bytes per element there.  All-gathers keep their dtype.
+    4 bytes per element there.  All-gathers keep their dtype.  Without a worker
+    axis nothing is sent and the functions below report the payload's own size.
     """
     if jnp.dtype(x.dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
         return int(x.size) * 4
@@ -142,8 +143,8 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
       ``(mean, payload_bytes)``: the mean, same shape and dtype as ``x``, and
       the all-reduce operand's bytes (:func:`reduce_bytes`).
     """
-    if axis_name is None:
-        return x, reduce_bytes(x)
+    if axis_name is None:  # nothing on the wire: the payload as it would be sent
+        return x, _nbytes(x)
     n = jnp.asarray(num_workers(axis_name), x.dtype)
     if prescale:
         return jax.lax.psum(x / n, axis_name), reduce_bytes(x)
@@ -274,5 +275,5 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
       (:func:`reduce_bytes`).
     """
     if axis_name is None:
-        return x, reduce_bytes(x)
+        return x, _nbytes(x)
     return jax.lax.pmax(x, axis_name), reduce_bytes(x)

@@ -127,7 +127,7 @@ register(
     lambda a: {"rank": a.rank, "start_step": a.start_step, "min_compression_rate": a.min_compression_rate},
 )
 
-# Quantizers (issue 3).
+# Quantizers.
 register("onebit", (), lambda a, ax, **kw: cj.onebit(axis_name=ax, **kw))
 register(
     "twobit",

@@ -14,8 +14,9 @@ Non-finite gradients: the whole chain (compressor + SGD) is wrapped in
 infinity all workers skip the step together, momentum and learning-rate
 schedule included: a skipped step is a step that never happened.  Each one is
 printed and listed (``skipped_steps``, counted from 0) in the epoch lines and
-the summary.  ``--no-skip-nonfinite`` turns that guard and the compressor's own
-(``skip_nonfinite``) off.  ``--poison-step N`` puts a NaN into one worker's
+the summary.  The compressor's own guard (``skip_nonfinite``) is off: under
+the wrapper it would only add a redundant vote.  ``--no-skip-nonfinite`` turns
+the wrapper off as well.  ``--poison-step N`` puts a NaN into one worker's
 batch at step N; ``--skip-batch N`` drops step N's batch instead, the reference
 run the poisoned one should match exactly.
 """
@@ -26,8 +27,10 @@ import os
 import sys
 
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # 8 CPU workers unless an accelerator is found (the flag only affects the CPU backend).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    # 8 CPU workers unless an accelerator is found (the flags only affect the CPU backend); XLA:CPU's
+    # concurrency-optimized scheduler has crashed programs with several collectives inside conditionals.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
 import argparse
 import hashlib
@@ -73,9 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSONL file (default results/runs/<compressor>.jsonl)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-skip-nonfinite", action="store_true",
-                   help="turn off both non-finite guards: the cj.apply_if_finite wrapper that skips the "
-                        "whole step on every worker when any worker's gradient has a NaN/inf, and the "
-                        "compressor's own skip_nonfinite (a non-finite gradient then reaches the parameters)")
+                   help="turn off the non-finite guard: the cj.apply_if_finite wrapper that skips the "
+                        "whole step on every worker when any worker's gradient has a NaN/inf (a non-finite "
+                        "gradient then reaches the parameters)")
     p.add_argument("--poison-step", type=int, default=None, metavar="N",
                    help="set one input value of worker --poison-worker's shard of step N's batch to NaN; "
                         "steps are counted from 0 (0 is the first step), one per batch taken, across epochs")
@@ -213,7 +216,9 @@ def main(argv=None) -> dict:
     params, apply, loss_fn = models.build(args.seed, model=args.model)
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     dense_bytes = 4 * num_params  # identity's float32 all-reduce payload
-    compressor, comp_opts = compressors.build(args, AXIS, skip_nonfinite=skip_nonfinite)
+    # Under the wrapper the chain never sees a non-finite gradient: the compressor's own vote (one more
+    # collective per step) would be redundant, so it is off either way.
+    compressor, comp_opts = compressors.build(args, AXIS, skip_nonfinite=False)
     tx = guard(args, transform(args, compressor, steps_total), AXIS)
 
     p = parallel.replicate(params, mesh, AXIS)

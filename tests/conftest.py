@@ -1,19 +1,11 @@
-"""Test setup: 8 CPU devices, set before JAX starts, so multi-worker code runs without a GPU."""
-
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+"""Test fixtures.  The 8 simulated CPU devices are set up by the root ``conftest.py`` before JAX starts."""
 
 import jax
 import pytest
 
-jax.config.update("jax_enable_x64", False)
+NUM_WORKERS = 8  # the devices the root conftest.py asks for
 
-NUM_WORKERS = 8
+jax.config.update("jax_enable_x64", False)
 
 
 @pytest.fixture(scope="session")
@@ -21,5 +13,5 @@ def mesh():
     """The 8-worker data mesh over the forced CPU devices."""
     from compjax import parallel
 
-    assert len(jax.devices()) >= NUM_WORKERS, "conftest must set XLA_FLAGS before JAX starts"
+    assert len(jax.devices()) >= NUM_WORKERS, "conftest.py must set XLA_FLAGS before JAX starts"
     return parallel.make_mesh(NUM_WORKERS)

@@ -31,7 +31,9 @@ def test_bucket_roundtrip(shapes):
 
 
 @pytest.mark.parametrize(
-    "size,ratio,k", [(100, 0.01, 1), (100, 0.011, 2), (1000, 0.001, 1), (7, 1.0, 7), (10, 1e-9, 1), (3, 0.5, 2)]
+    "size,ratio,k",
+    [(100, 0.01, 1), (100, 0.011, 2), (1000, 0.001, 1), (7, 1.0, 7), (10, 1e-9, 1), (3, 0.5, 2),
+     (3_000_001, 0.001, 3001), (1_500_000_001, 0.5, 750_000_001), (10**12, 0.001, 10**9)],  # large layers
 )
 def test_layer_k(size, ratio, k):
     assert layer_k(size, ratio) == k

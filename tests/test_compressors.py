@@ -26,8 +26,32 @@ def mean_over_workers(tree):
 
 
 def assert_tree_close(a, b, **kw):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+    """Same tree structure, same leaf shapes, then leaf values close (``assert_allclose`` keywords)."""
+    sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+    assert sa == sb, f"tree structures differ:\n{sa}\n{sb}"
+    xs, ys = jax.tree.leaves(a), jax.tree.leaves(b)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(a)]
+    for path, x, y in zip(paths, xs, ys, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape, f"leaf {path}: shapes {x.shape} and {y.shape}"
+        np.testing.assert_allclose(x, y, err_msg=f"leaf {path}", **kw)
+
+
+def test_assert_tree_close_checks_structure_and_shapes():
+    a = {"w": np.ones((2, 3)), "b": np.zeros(3)}
+    assert_tree_close(a, {"w": np.ones((2, 3)), "b": np.zeros(3)})
+    for b in (
+        {"w": np.ones((2, 3))},  # a leaf missing
+        {"w": np.ones((2, 3)), "b": np.zeros(3), "c": np.zeros(1)},  # a leaf too many
+        {"w": np.ones((2, 3)), "c": np.zeros(3)},  # another name
+        {"w": np.ones((1, 3)), "b": np.zeros(3)},  # broadcasts, but another shape
+        {"w": np.ones((2, 3)), "b": np.zeros(())},
+        [np.ones((2, 3)), np.zeros(3)],  # the same leaves in another container
+    ):
+        with pytest.raises(AssertionError):
+            assert_tree_close(a, b)
+        with pytest.raises(AssertionError):
+            assert_tree_close(b, a)
 
 
 def test_identity_is_mean_of_local_gradients(mesh):

@@ -156,16 +156,35 @@ def test_signsgd_without_error_feedback_sends_the_scaled_sign():
     assert int(cj.payload_bytes(state)) == 4 * (1 + 1) + 4 * 2  # one word of signs per layer (20 and 4) + a scale each
 
 
-@pytest.mark.parametrize("make", [cj.onebit, lambda: cj.twobit(0.3), cj.signsgd], ids=["onebit", "twobit", "signsgd"])
-def test_error_feedback_conserves_mass(make):
+@pytest.mark.parametrize(
+    "make,codec",
+    [
+        (cj.onebit, np_onebit),
+        (lambda: cj.twobit(0.3), lambda p: np_twobit(p, np.float32(0.3))),
+        (cj.signsgd, np_sign),
+    ],
+    ids=["onebit", "twobit", "signsgd"],
+)
+def test_error_feedback_follows_the_codec_and_conserves_mass(make, codec):
+    """Each step sends the paper's decode of p = g + residual (NumPy references), and sent + residual = g."""
     tx = make()
     gs = [{"w": jnp.asarray(RNG.normal(size=(5, 4)), jnp.float32), "b": jnp.asarray(RNG.normal(size=4), jnp.float32)}
           for _ in range(4)]
     state = tx.init(gs[0])
     update = jax.jit(tx.update)
     sent = jax.tree.map(jnp.zeros_like, gs[0])
-    for g in gs:
+    res = {k: np.zeros(v.shape, np.float32) for k, v in gs[0].items()}
+    for t, g in enumerate(gs):
         out, state = update(g, state)
+        for k in g:
+            p = np.asarray(g[k]) + res[k]
+            dec = codec(p).astype(np.float32)
+            res[k] = p - dec
+            assert np.any(dec != 0), "the reference sends something"
+            np.testing.assert_allclose(np.asarray(out[k]), dec, rtol=1e-5, atol=1e-6, err_msg=f"step {t} {k}")
+            np.testing.assert_allclose(
+                np.asarray(state.residual[k]), res[k], rtol=1e-5, atol=1e-5, err_msg=f"residual {t} {k}"
+            )
         sent = jax.tree.map(jnp.add, sent, out)
     total = jax.tree.map(lambda *xs: sum(xs), *gs)
     for k in total:

@@ -22,8 +22,10 @@ def layer_k(size: int, ratio: float) -> int:
     Returns:
       k as a Python int (static).
     """
-    # Guard against float noise: ceil(0.01 * 100) must be 1, not 2.
-    k = math.ceil(ratio * size - 1e-9 * size)
+    # Guard against float noise (0.01 * 100 = 1.0000000000000002 must give 1, not 2) with a tolerance
+    # relative to ratio * size, far below its fractional part (3,000,001 * 0.001 must give 3,001).
+    x = ratio * size
+    k = math.ceil(x - 1e-12 * x)
     return int(min(size, max(1, k)))
 
 

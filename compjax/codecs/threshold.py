@@ -49,7 +49,8 @@ def sampled_topk(
     block: int = 32,
     capacity: int | None = None,
     max_iters: int = 20,
-) -> tuple[jnp.ndarray, jnp.ndarray]:
+    return_settled: bool = False,
+) -> tuple[jnp.ndarray, jnp.ndarray] | tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """The ``k`` entries of largest magnitude of ``x``, found through a sampled threshold.
 
     Args:
@@ -61,11 +62,17 @@ def sampled_topk(
       capacity: static number of candidate blocks gathered (default ``ceil(1.25 k)``,
         at least ``k``).
       max_iters: threshold adjustments before falling back to exact top-k.
+      return_settled: also return whether the sampled threshold settled (static).
 
     Returns:
       ``(indices, values)``: int32 ``(k,)`` flat indices into ``x.ravel()`` and the
       ``(k,)`` values there (``x.dtype``), the same set as
       :func:`compjax.codecs.topk_select` (ties aside), in decreasing magnitude.
+      With ``return_settled=True``, ``(indices, values, settled)``: ``settled`` is
+      a bool scalar, True where the candidates came from the settled threshold,
+      False where selection fell back to exact ``jax.lax.top_k`` over all of
+      ``x`` (always False when the sizes leave nothing to gain over exact top-k
+      and it is used directly).
 
     Raises:
       ValueError: ``k`` outside ``[1, x.size]``, or ``block``/``capacity`` < 1.
@@ -79,7 +86,8 @@ def sampled_topk(
     nb = size // block
     capacity = max(k, math.ceil(1.25 * k) if capacity is None else capacity)
     if capacity * block >= size // 2:  # nothing to gain over exact top-k
-        return _exact(flat, k)
+        idx, val = _exact(flat, k)
+        return (idx, val, jnp.zeros((), bool)) if return_settled else (idx, val)
     main = nb * block
     bmax = _block_max_abs(flat[:main], nb, block)
 
@@ -124,8 +132,9 @@ def sampled_topk(
         in_rows = pos < capacity * block
         return jnp.where(in_rows, cand[pos // block] * block + pos % block, main + pos - capacity * block)
 
-    idx = jax.lax.cond((c >= k) & (c <= capacity), from_candidates, lambda _: _exact(flat, k)[0], None)
-    return idx, flat[idx]
+    settled = (c >= k) & (c <= capacity)
+    idx = jax.lax.cond(settled, from_candidates, lambda _: _exact(flat, k)[0], None)
+    return (idx, flat[idx], settled) if return_settled else (idx, flat[idx])
 
 
 def _block_max_abs(x: jnp.ndarray, nb: int, block: int) -> jnp.ndarray:

@@ -1,0 +1,29 @@
+"""Root test setup, loaded by pytest before it imports any test module or the package's doctests.
+
+The simulated devices must be requested before JAX starts its backend: 8 CPU
+devices, so multi-worker code (tests and the docstring examples of
+``compjax``, run with ``--doctest-modules``) runs without a GPU.
+
+XLA:CPU (jaxlib 0.10.2) has crashed (SIGSEGV in its in-process all-reduce) on
+programs that hold many conditionals with collectives inside, such as the
+battery's programs with several wrapped compressors side by side; with its
+concurrency-optimized scheduler off it did not, so the tests turn it off.
+"""
+
+import os
+
+NUM_DEVICES = 8
+CPU_FLAGS = {
+    "--xla_force_host_platform_device_count": str(NUM_DEVICES),
+    "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
+}
+
+
+def force_cpu_devices(flags: dict = CPU_FLAGS) -> None:
+    """Set ``flags`` in ``XLA_FLAGS`` (keeping the others) and the CPU platform; effective before JAX's backend starts."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in flags]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, *(f"{k}={v}" for k, v in flags.items())])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+force_cpu_devices()

@@ -1,0 +1,50 @@
+"""Every transform that must behave like an optax citizen, with small arguments: one line each.
+
+A transform added to compjax joins the shared battery (tests/test_battery.py) by adding
+one ``Case`` here.  ``factory(*args, axis_name=..., **kwargs)`` builds it; ``static`` names
+the arguments that fix shapes (``static_args`` of ``optax.inject_hyperparams``); ``traced``
+gives, for one traceable hyperparameter, another value to inject while training;
+``random`` marks transforms whose result depends on their key; ``one_path`` gives the arguments
+that leave a single path in the compiled program (no warm-up or start-up branch), so that the
+audited collectives are exactly those of one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import compjax as cj
+
+
+class Case(NamedTuple):
+    factory: Any
+    args: tuple = ()
+    kwargs: dict = {}
+    static: tuple = ()
+    traced: tuple | None = None  # (name, other value)
+    random: bool = False
+    one_path: dict = {}
+
+    def make(self, axis_name=None, **overrides):
+        return self.factory(*self.args, **{**self.kwargs, **overrides}, axis_name=axis_name)
+
+
+CASES = {
+    "identity": Case(cj.identity),
+    "cast_bf16": Case(cj.cast, ("bfloat16",), static=("dtype",)),
+    "cast_f16": Case(cj.cast, ("float16",), static=("dtype",)),
+    "topk": Case(cj.topk, (0.05,), static=("ratio",)),
+    "randomk": Case(cj.randomk, (0.05,), {"key": 3}, static=("ratio",), random=True),
+    "randomk_unbiased": Case(cj.randomk, (0.05,), {"key": 3, "error_feedback": False}, static=("ratio",),
+                             random=True),
+    "dgc": Case(cj.dgc, (0.01,), {"momentum": 0.9, "warmup_steps": 2, "clip_norm": 2.0, "key": 3},
+                static=("ratio", "warmup_steps", "sample_ratio"), traced=("momentum", 0.5),
+                one_path={"warmup_steps": 0}),
+    "powersgd": Case(cj.powersgd, (2,), {"min_compression_rate": 0.0, "start_step": 1},
+                     static=("rank", "start_step", "min_compression_rate"), one_path={"start_step": 0}),
+    "onebit": Case(cj.onebit),
+    "twobit": Case(cj.twobit, (), {"threshold": 0.05}, traced=("threshold", 0.1)),
+    "terngrad": Case(cj.terngrad, (), {"key": 3}, traced=("clip_sigma", 1.5), random=True),
+    "qsgd": Case(cj.qsgd, (16,), {"key": 3}, static=("levels",), random=True),
+    "signsgd": Case(cj.signsgd),
+}
