@@ -4,8 +4,9 @@ Gradient compressors as optax transformations, the collectives that carry
 their payloads, exact byte accounting and data-parallel helpers.
 """
 
-from compjax import bytecount, codecs, collectives, netmodel, parallel
+from compjax import algorithms, bytecount, codecs, collectives, netmodel, parallel
 from compjax.accounting import Collective, audit_collectives, payload_bytes
+from compjax.algorithms import DelayedAveragingState, delayed_averaging
 from compjax.compressors import (
     ApplyIfFiniteState,
     CastState,
@@ -40,6 +41,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "CastState",
     "Collective",
+    "DelayedAveragingState",
     "DgcState",
     "IdentityState",
     "OnebitState",
@@ -51,12 +53,14 @@ __all__ = [
     "TopkState",
     "TwobitState",
     "__version__",
+    "algorithms",
     "apply_if_finite",
     "audit_collectives",
     "bytecount",
     "cast",
     "codecs",
     "collectives",
+    "delayed_averaging",
     "dgc",
     "dgc_warmup_schedule",
     "identity",

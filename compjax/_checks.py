@@ -39,7 +39,7 @@ def check_range(
     rng = f"{lb}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{rb}"
     kind = "an integer" if integer else "a number"
     try:
-        if isinstance(value, bool):
+        if isinstance(value, (bool, str, bytes)):  # float("2") would accept a string
             raise TypeError
         v = float(value)
     except (TypeError, ValueError):

@@ -152,3 +152,18 @@ register(
     (("--dtype", {"default": "bfloat16", "choices": ["bfloat16", "float16"], "help": "cast payload dtype"}),),
     lambda a, ax, **kw: cj.cast(a.dtype, axis_name=ax, **kw),
 )
+
+# Delayed Gradient Averaging: the average of step t - D arrives at step t; any compressor above carries it.
+INNER = sorted(n for n in REGISTRY if not REGISTRY[n].momentum_inside)
+register(
+    "dga",
+    (
+        ("--delay", {"type": int, "default": 5, "help": "DGA: steps D before a gradient's average arrives"}),
+        ("--inner", {"default": "identity", "choices": INNER,
+                     "help": "DGA: the compressor of the delayed exchange (its own options apply)"}),
+    ),
+    lambda a, ax, **kw: cj.delayed_averaging(
+        a.delay, axis_name=ax, compressor=REGISTRY[a.inner].build(a, ax, skip_nonfinite=False), **kw
+    ),
+    lambda a: {"delay": a.delay, "inner": a.inner, **REGISTRY[a.inner].describe(a)},
+)

@@ -29,6 +29,12 @@ class Case(NamedTuple):
         return self.factory(*self.args, **{**self.kwargs, **overrides}, axis_name=axis_name)
 
 
+def delayed_topk(delay, *, axis_name=None, skip_nonfinite=True):
+    """Delayed averaging whose exchange goes through top-k with error feedback (on the same axis)."""
+    inner = cj.topk(0.05, axis_name=axis_name, skip_nonfinite=False)
+    return cj.delayed_averaging(delay, axis_name=axis_name, compressor=inner, skip_nonfinite=skip_nonfinite)
+
+
 CASES = {
     "identity": Case(cj.identity),
     "cast_bf16": Case(cj.cast, ("bfloat16",), static=("dtype",)),
@@ -47,4 +53,6 @@ CASES = {
     "terngrad": Case(cj.terngrad, (), {"key": 3}, traced=("clip_sigma", 1.5), random=True),
     "qsgd": Case(cj.qsgd, (16,), {"key": 3}, static=("levels",), random=True),
     "signsgd": Case(cj.signsgd),
+    "delayed_averaging": Case(cj.delayed_averaging, (), {"delay": 2}, static=("delay",), one_path={"delay": 0}),
+    "delayed_averaging_topk": Case(delayed_topk, (), {"delay": 1}, static=("delay",), one_path={"delay": 0}),
 }

@@ -163,7 +163,7 @@ def test_wrappers_and_branches_equal_the_unwrapped_transform(mesh, name):
 def test_inject_hyperparams_names_a_shape_argument_left_traced(name):
     """A numeric argument that fixes shapes (ratio, rank, levels) cannot be traced: the error says what to do."""
     case = CASES[name]
-    tx = optax.inject_hyperparams(case.factory)(*case.args, **case.kwargs)  # static_args forgotten
+    tx = optax.inject_hyperparams(case.factory)(*case.args, axis_name=None, **case.kwargs)  # static_args forgotten
     params = zeros_params()
     state = tx.init(params)
     with pytest.raises(ValueError, match="static_args"):

@@ -164,3 +164,17 @@ def test_lr_before_compressor_is_the_same_sgd_for_a_linear_compressor():
             outs[bool(flag)].append(np.asarray(u["w"]))
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6)
     assert np.all(outs[True][1] < 0)  # descent: the updates are -lr * g
+
+
+def test_main_job_runs_delayed_averaging_with_an_inner_compressor(tmp_path):
+    """--compressor dga --delay 2 --inner topk: nothing is sent in the first 2 steps, then top-k's pairs."""
+    out = tmp_path / "dga.jsonl"
+    summary = train.main(["--compressor", "dga", "--delay", "2", "--inner", "topk", "--ratio", "0.05",
+                          "--max-steps", "3", "--epochs", "1", "--train-limit", "2048", "--out", str(out),
+                          "--no-progress"])
+    assert summary["config"]["options"] == {"delay": 2, "inner": "topk", "ratio": 0.05}
+    assert summary["steps"] == 3 and summary["skipped_steps"] == []
+    vote = 4  # cj.apply_if_finite's
+    topk_bytes = summary["payload_bytes_per_step"] - vote  # the last step sent the first step's gradient
+    assert 9 < summary["dense_bytes_per_step"] / topk_bytes < 10.1  # 5% of each layer at 8 B vs 4 B: ~10x
+    assert summary["payload_bytes_mean_per_step"] == pytest.approx((2 * vote + topk_bytes + vote) / 3)
