@@ -1,4 +1,4 @@
-"""Alpha-beta network model: (collective kind, bytes, workers) -> seconds.
+"""Alpha-beta network model: (collective kind, bytes, workers) -> seconds, and what a step would take.
 
 A message of ``b`` bytes over one link costs ``latency + b / bandwidth``
 (Hockney's alpha-beta model).  The collectives use the textbook algorithms
@@ -13,34 +13,153 @@ operations in MPICH", IJHPCA 2005; Patarasuk & Yuan 2009 for the ring):
   bytes and pull the ``b_out`` byte result -> ``2 latency + n (b + b_out) / bandwidth``.
 
 Bandwidth is in bytes per second of one worker's link (both directions at full
-rate), latency in seconds.  ``n = 1`` costs nothing.
+rate), latency in seconds per message.  ``n = 1`` costs nothing.
+
+On top of the formulas: :class:`Network` presets (:meth:`Network.presets`),
+:func:`predict_step` (compute + communication of one step, with and without
+overlap, and the bandwidth that would hide the communication),
+:func:`measure_compute_time` and :func:`compare` / :func:`to_markdown` (a table
+of compressors x networks).
+
+Examples:
+  What would a 10 Gbit/s network give a step that computes for 100 ms and
+  all-reduces 100 MB over 8 workers?
+
+  >>> from compjax import netmodel
+  >>> from compjax.accounting import Collective
+  >>> ops = [Collective("all-reduce", (("f32", (25_000_000,)),), 100_000_000, "ar")]
+  >>> p = netmodel.predict_step(ops, 8, netmodel.Network.ethernet_10g, compute_s=0.1)
+  >>> round(p.comm_s, 4), round(p.no_overlap_s, 4), round(p.overlap_s, 4)
+  (0.1403, 0.2403, 0.1403)
+  >>> round(p.hiding_bandwidth * 8 / 1e9, 2)   # Gbit/s at which the all-reduce takes 100 ms
+  14.04
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from compjax._checks import check_range
 
-__all__ = ["Network", "allgather_time", "allreduce_time", "collective_time", "parameter_server_time", "step_time"]
+__all__ = [
+    "Network",
+    "StepPrediction",
+    "allgather_time",
+    "allreduce_time",
+    "collective_time",
+    "compare",
+    "measure_compute_time",
+    "parameter_server_time",
+    "predict_step",
+    "step_time",
+    "to_markdown",
+]
 
 
 class Network(NamedTuple):
-    """A homogeneous network.
+    """A homogeneous network: every worker has one link of ``bandwidth`` bytes/s, ``latency`` s per message.
 
     Attributes:
-      bandwidth: bytes per second of each worker's link (e.g. ``10e9 / 8`` for 10 Gbit/s).
-      latency: seconds per message (alpha).
+      bandwidth: bytes per second of each worker's link in each direction
+        (e.g. ``10e9 / 8`` for 10 Gbit/s).
+      latency: alpha, seconds per message: the fixed cost of one step of a
+        collective algorithm (one send/receive between two workers, software
+        stack included), paid ``2 (n-1)`` times by a ring all-reduce and
+        ``n-1`` times by a ring all-gather.  Not a round-trip time.
+      name: a label for tables (optional).
+
+    Presets (class attributes, also listed by :meth:`presets`); bandwidths are
+    line rates per direction, latencies typical per-message costs as seen by
+    a collective library, so treat them as order-of-magnitude figures:
+
+    ==================  ==============  ===========  ====================================================
+    preset              bandwidth       latency      source
+    ==================  ==============  ===========  ====================================================
+    ``ethernet_1g``     1 Gbit/s        50 us        IEEE 802.3ab line rate; kernel TCP/IP message cost
+    ``ethernet_10g``    10 Gbit/s       20 us        IEEE 802.3ae line rate; kernel TCP/IP message cost
+    ``infiniband_100g`` 100 Gbit/s      5 us         InfiniBand EDR 4x; NCCL's network step latency
+    ``infiniband_400g`` 400 Gbit/s      5 us         InfiniBand NDR 4x; NCCL's network step latency
+    ``nvlink``          450 GB/s        3 us         H100 NVLink 4; NCCL's NVLink step latency
+    ``tpu_dcn``         50 Gbit/s       25 us        TPU v5p data-center network per chip
+    ``wan``             100 Mbit/s      110 ms       Mumbai - San Francisco over the public internet
+    ==================  ==============  ===========  ====================================================
+
+    Sources and reasoning:
+
+    * Ethernet: line rates of IEEE 802.3ab (1000BASE-T) and 802.3ae (10GbE).
+      The latencies are typical small-message costs of kernel TCP/IP over
+      commodity NICs and switches (tens of microseconds, lower on 10GbE);
+      they are assumptions, not a vendor figure: measure yours (e.g. with the
+      OSU or ``nccl-tests`` latency benchmarks) if it matters.  They matter
+      little for gradients: at 64 workers a ring all-reduce pays
+      ``126 * 50 us = 6.3 ms`` of latency on 1 GbE.
+    * InfiniBand: EDR and NDR 4x links (InfiniBand Trade Association roadmap;
+      NVIDIA ConnectX-5 / ConnectX-7 product briefs quote 100 and 400 Gb/s per
+      port, hardware latency below 1 us).  The 5 us per message is the order
+      of NCCL's own cost model for one ring step over the network
+      (``hwLat[NET]`` in ``src/graph/tuning.cc``: 2.7 us with its LL
+      protocol, 9.6 us with the Simple protocol that large gradients use).
+    * NVLink: H100 SXM, NVLink 4, 18 links, 900 GB/s per GPU counting both
+      directions (NVIDIA H100 datasheet), so 450 GB/s each way.  3 us is
+      NCCL's ``hwLat[NVLINK]`` for a ring step with the Simple protocol (3.4 us).
+    * TPU DCN: Cloud TPU v5p documentation, "data center network (DCN)
+      bandwidth per chip: 50 Gbps" (6.25e9 B/s, the figure the JAX scaling
+      book, "How to Scale Your Model", uses).  DCN traffic goes through the
+      hosts; the 25 us latency is an assumption of the same order as
+      10-100 GbE TCP.  ICI (within a slice) is much faster and is not this preset.
+    * WAN, Mumbai - San Francisco: 13,490 km great circle, so light needs
+      45 ms in vacuum and 66 ms in fibre (refractive index 1.47) one way; real
+      routes are longer (public ping tables such as WonderProxy's show
+      intercontinental routes at about 1.6x the fibre bound, e.g. Sydney -
+      Fremont 176-192 ms round trip over 11,950 km), hence about 110 ms one way
+      (220 ms round trip).  The bandwidth is what one TCP flow gets over such a
+      path: window / RTT, and with Linux's default maximum receive window of
+      6 MiB (``net.ipv4.tcp_rmem``) that is about 6 MiB / 0.22 s = 230 Mbit/s
+      before any loss (Mathis et al. 1997: loss cuts it further), and well
+      below what the links carry; Hsieh et al. (Gaia, NSDI 2017) measured
+      inter-region bandwidth between EC2 regions far below LAN speed.  We take
+      100 Mbit/s per worker.  Several flows per worker can do better; pass your
+      own ``Network`` if you measured it.
     """
 
     bandwidth: float
     latency: float = 0.0
+    name: str = ""
 
     @classmethod
-    def from_gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> Network:
+    def from_gbit(cls, gbit_per_s: float, latency_us: float = 0.0, name: str = "") -> Network:
         """A network of ``gbit_per_s`` Gbit/s links and ``latency_us`` microseconds per message."""
-        return cls(bandwidth=gbit_per_s * 1e9 / 8, latency=latency_us * 1e-6)
+        return cls(bandwidth=gbit_per_s * 1e9 / 8, latency=latency_us / 1e6, name=name)
+
+    @classmethod
+    def presets(cls) -> dict[str, Network]:
+        """The preset networks by name (see the class docstring for the figures and their sources)."""
+        return {n.name: n for n in _PRESETS}
+
+    @property
+    def label(self) -> str:
+        """``name``, or the bandwidth in Gbit/s and the latency when there is none."""
+        if self.name:
+            return self.name
+        return f"{self.bandwidth * 8 / 1e9:g} Gbit/s, {self.latency * 1e6:g} us"
+
+
+_PRESETS = (
+    Network(1e9 / 8, 50e-6, "ethernet_1g"),
+    Network(10e9 / 8, 20e-6, "ethernet_10g"),
+    Network(100e9 / 8, 5e-6, "infiniband_100g"),
+    Network(400e9 / 8, 5e-6, "infiniband_400g"),
+    Network(450e9, 3e-6, "nvlink"),
+    Network(50e9 / 8, 25e-6, "tpu_dcn"),
+    Network(100e6 / 8, 110e-3, "wan"),
+)
+for _net in _PRESETS:
+    setattr(Network, _net.name, _net)
+del _net
 
 
 def _check(nbytes, workers, net):
@@ -120,3 +239,210 @@ def step_time(collectives: Iterable, workers: int, net: Network) -> float:
       ValueError: a record whose ``op`` has no model here.
     """
     return sum(collective_time(c.op, c.bytes, workers, net) for c in collectives)
+
+
+class StepPrediction(NamedTuple):
+    """Modelled time of one training step (seconds), from :func:`predict_step`.
+
+    Attributes:
+      compute_s: the compute time given (forward, backward, optimizer).
+      comm_s: the communication time of the step's collectives, one after another.
+      no_overlap_s: ``compute_s + comm_s`` (communication starts after the backward pass).
+      overlap_s: ``max(compute_s, comm_s)`` (communication perfectly hidden behind compute).
+      comm_fraction: ``comm_s / no_overlap_s`` (0 when both are 0).
+      hiding_bandwidth: the link bandwidth (bytes/s) at which ``comm_s`` equals
+        ``compute_s``, latency kept: above it communication is no longer the
+        bottleneck under perfect overlap.  ``inf`` when the latency alone
+        already takes ``compute_s`` or more; 0 when there is nothing to send.
+    """
+
+    compute_s: float
+    comm_s: float
+    no_overlap_s: float
+    overlap_s: float
+    comm_fraction: float
+    hiding_bandwidth: float
+
+
+def _check_network(net: Network) -> None:
+    check_range("bandwidth", net.bandwidth, 0, None, lo_open=True)
+    check_range("latency", net.latency, 0, None)
+
+
+def predict_step(collectives: Iterable, workers: int, network: Network, compute_s: float) -> StepPrediction:
+    """Compute + communication time of one data-parallel step over ``network``.
+
+    Args:
+      collectives: the step's collectives, e.g. ``cj.audit_collectives(step, ...)``
+        (anything with ``.op`` in ``"all-reduce"``, ``"all-gather"``,
+        ``"parameter-server"`` and ``.bytes``, what one worker puts in).
+      workers: number of workers n (the audit may come from a smaller mesh:
+        compjax's per-worker bytes do not depend on n).
+      network: the :class:`Network`.
+      compute_s: seconds of computation per step (e.g. :func:`measure_compute_time`).
+
+    Returns:
+      A :class:`StepPrediction`.  ``hiding_bandwidth`` solves
+      ``latency_part + bytes_part / B = compute_s`` for ``B``: every model here
+      is linear in ``1 / bandwidth``.
+
+    Raises:
+      ValueError: ``bandwidth <= 0``, ``latency < 0``, ``compute_s < 0``,
+        ``workers < 1``, or a record whose ``op`` has no model.
+    """
+    check_range("workers", workers, 1, None, integer=True)
+    _check_network(network)
+    check_range("compute_s", compute_s, 0, None)
+    collectives = list(collectives)
+    compute_s = float(compute_s)
+    comm = step_time(collectives, workers, network)
+    # comm(B) = alpha_part + beta_part / B
+    alpha_part = step_time(collectives, workers, Network(math.inf, network.latency))
+    beta_part = step_time(collectives, workers, Network(1.0, 0.0))
+    if beta_part == 0:
+        hiding = 0.0
+    elif alpha_part >= compute_s:
+        hiding = math.inf
+    else:
+        hiding = beta_part / (compute_s - alpha_part)
+    total = compute_s + comm
+    return StepPrediction(compute_s, comm, total, max(compute_s, comm), comm / total if total > 0 else 0.0, hiding)
+
+
+def measure_compute_time(fn: Callable, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float:
+    """Median seconds of ``jax.block_until_ready(fn(*args, **kwargs))`` over ``repeats`` calls.
+
+    ``warmup`` calls run first and are not timed (the first one compiles a
+    jitted ``fn``).  Time a step without communication (one worker, or the
+    single-device program) to get the ``compute_s`` of :func:`predict_step`.
+    Note that ``fn`` is called ``warmup + repeats`` times: a step that donates
+    its arguments needs fresh ones, so wrap it.
+
+    Raises:
+      ValueError: ``repeats < 1`` or ``warmup < 0``.
+    """
+    import jax  # the formulas above do not need JAX
+
+    check_range("repeats", repeats, 1, None, integer=True)
+    check_range("warmup", warmup, 0, None, integer=True)
+    for _ in range(int(warmup)):
+        jax.block_until_ready(fn(*args, **kwargs))
+    times = []
+    for _ in range(int(repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args, **kwargs))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _as_list(x, what: str) -> list:
+    if isinstance(x, Network):
+        return [x]
+    if isinstance(x, Mapping):
+        return [n if n.name else n._replace(name=str(k)) for k, n in x.items()]
+    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
+        raise ValueError(  # noqa: TRY004 - bad input raises ValueError naming the parameter, as everywhere here
+            f"{what} must be a Network, a sequence of Networks or a mapping name -> Network, got {x!r}")
+    return list(x)
+
+
+def compare(
+    steps: Mapping[str, Iterable],
+    workers: int | Sequence[int],
+    networks: Network | Sequence[Network] | Mapping[str, Network],
+    compute_s: float | Mapping[str, float],
+    *,
+    baseline: str | None = "identity",
+) -> list[dict[str, Any]]:
+    """Model every compressor's step on every network: what would each network gain from each compressor?
+
+    Args:
+      steps: compressor name -> that compressor's step collectives (e.g. from
+        :func:`compjax.audit_collectives`).
+      workers: n, or several (one row per value).
+      networks: a :class:`Network`, several, or a mapping name -> Network.
+      compute_s: seconds of compute per step, the same for all, or a mapping
+        compressor name -> its own compute time (compression costs compute).
+      baseline: the entry of ``steps`` the speedups are taken against (on the
+        same network and n), or None for no speedups.
+
+    Returns:
+      One dict per (compressor, network, workers), in the order of ``steps``,
+      then ``networks``, then ``workers``, with keys ``compressor``,
+      ``network`` (its label), ``bandwidth``, ``latency``, ``workers``,
+      ``bytes`` (per worker per step, summed over the collectives), the
+      :class:`StepPrediction` fields, and (with a baseline) ``speedup`` =
+      baseline ``no_overlap_s`` / this ``no_overlap_s`` and ``speedup_overlap``
+      (the same with ``overlap_s``).
+
+    Raises:
+      ValueError: ``baseline`` not in ``steps``, ``compute_s`` lacking a
+        compressor, or bad numbers as :func:`predict_step`.
+    """
+    steps = {k: list(v) for k, v in steps.items()}
+    if baseline is not None and baseline not in steps:
+        raise ValueError(f"baseline must be one of the compressors in steps {sorted(steps)} or None, got {baseline!r}")
+    ns = [workers] if isinstance(workers, (int, float)) else list(workers)
+    nets = _as_list(networks, "networks")
+    if isinstance(compute_s, Mapping):
+        missing = sorted(set(steps) - set(compute_s))
+        if missing:
+            raise ValueError(f"compute_s has no time for {missing}")
+        comp = {k: compute_s[k] for k in steps}
+    else:
+        comp = dict.fromkeys(steps, compute_s)
+    rows = []
+    for name, ops in steps.items():
+        for net in nets:
+            for n in ns:
+                p = predict_step(ops, n, net, comp[name])
+                row = {"compressor": name, "network": net.label, "bandwidth": net.bandwidth, "latency": net.latency,
+                       "workers": int(n), "bytes": int(sum(int(c.bytes) for c in ops)), **p._asdict()}
+                if baseline is not None:
+                    b = predict_step(steps[baseline], n, net, comp[baseline])
+                    row["speedup"] = b.no_overlap_s / p.no_overlap_s if p.no_overlap_s > 0 else math.inf
+                    row["speedup_overlap"] = b.overlap_s / p.overlap_s if p.overlap_s > 0 else math.inf
+                rows.append(row)
+    return rows
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b:,.0f}"
+
+
+def _fmt_bw(bps: float) -> str:
+    if math.isinf(bps):
+        return "∞"
+    return f"{bps * 8 / 1e9:.3g}"
+
+
+#: the columns :func:`to_markdown` writes, when the rows have them: key -> (header, formatter).
+_COLUMNS = {
+    "compressor": ("compressor", str),
+    "network": ("network", str),
+    "workers": ("workers", str),
+    "bytes": ("bytes/step/worker", _fmt_bytes),
+    "compute_s": ("compute (ms)", lambda s: f"{s * 1e3:.1f}"),
+    "comm_s": ("comm (ms)", lambda s: f"{s * 1e3:.1f}"),
+    "no_overlap_s": ("step, no overlap (ms)", lambda s: f"{s * 1e3:.1f}"),
+    "overlap_s": ("step, overlap (ms)", lambda s: f"{s * 1e3:.1f}"),
+    "comm_fraction": ("comm share", lambda f: f"{f:.0%}"),
+    "hiding_bandwidth": ("hiding bandwidth (Gbit/s)", _fmt_bw),
+    "speedup": ("speedup, no overlap", lambda x: f"{x:.2f}×"),
+    "speedup_overlap": ("speedup, overlap", lambda x: f"{x:.2f}×"),
+}
+
+
+def to_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table of :func:`compare` rows (the known columns the rows have, in a fixed order).
+
+    Times in milliseconds, bandwidths in Gbit/s, bytes per worker per step.
+    Returns an empty string for no rows.
+    """
+    if not rows:
+        return ""
+    keys = [k for k in _COLUMNS if all(k in r for r in rows)]
+    lines = ["| " + " | ".join(_COLUMNS[k][0] for k in keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(_COLUMNS[k][1](r[k]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"

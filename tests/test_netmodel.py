@@ -1,11 +1,16 @@
-"""The alpha-beta model against hand-computed costs, and bad input."""
+"""The alpha-beta model against hand-computed costs, the step prediction, the audited bytes it uses, and bad input."""
 
 import math
 
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
-from compjax import netmodel
+import compjax as cj
+from compjax import netmodel, parallel
 from compjax.accounting import Collective
+from compjax.netmodel import Network
 
 
 def test_allreduce_ring_formula():
@@ -23,6 +28,24 @@ def test_allgather_and_parameter_server():
     assert math.isclose(netmodel.parameter_server_time(1e6, 4, net, result_bytes=0), 4e-3)
 
 
+# 64 MB per worker over 1e9 B/s links with 10 us per message, worked out by hand:
+#   all-reduce  2(n-1) * 10us + 2(n-1)/n * 0.064 s
+#   all-gather  (n-1) * 10us + (n-1) * 0.064 s
+#   param. server  2 * 10us + n * 2 * 0.064 s
+HAND = {
+    2: {"all-reduce": 0.00002 + 0.064, "all-gather": 0.00001 + 0.064, "parameter-server": 0.00002 + 0.256},
+    8: {"all-reduce": 0.00014 + 0.112, "all-gather": 0.00007 + 0.448, "parameter-server": 0.00002 + 1.024},
+    64: {"all-reduce": 0.00126 + 0.126, "all-gather": 0.00063 + 4.032, "parameter-server": 0.00002 + 8.192},
+}
+
+
+@pytest.mark.parametrize("n", sorted(HAND))
+@pytest.mark.parametrize("kind", ["all-reduce", "all-gather", "parameter-server"])
+def test_formulas_by_hand(n, kind):
+    net = Network(1e9, 1e-5)
+    assert math.isclose(netmodel.collective_time(kind, 64e6, n, net), HAND[n][kind], rel_tol=1e-12)
+
+
 def test_one_worker_costs_nothing_and_step_time_sums():
     net = netmodel.Network(1e9, 1e-6)
     assert netmodel.allreduce_time(1e9, 1, net) == 0.0
@@ -31,6 +54,200 @@ def test_one_worker_costs_nothing_and_step_time_sums():
     assert math.isclose(netmodel.step_time(ops, 4, net), want)
     # compression pays: the sparse step is cheaper than the dense one at equal workers
     assert netmodel.step_time(ops[1:], 4, net) < netmodel.step_time(ops[:1], 4, net)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_presets():
+    presets = Network.presets()
+    assert set(presets) == {"ethernet_1g", "ethernet_10g", "infiniband_100g", "infiniband_400g", "nvlink",
+                            "tpu_dcn", "wan"}
+    for name, net in presets.items():
+        assert getattr(Network, name) is net and net.name == name
+        assert net.bandwidth > 0 and net.latency > 0
+    # bytes per second, not bits
+    assert Network.ethernet_1g.bandwidth == 125e6 and Network.ethernet_10g.bandwidth == 1.25e9
+    assert Network.infiniband_100g.bandwidth == 12.5e9 and Network.infiniband_400g.bandwidth == 50e9
+    assert Network.tpu_dcn.bandwidth == 6.25e9 and Network.nvlink.bandwidth == 450e9
+    assert Network.wan.bandwidth == 12.5e6 and Network.wan.latency == 0.11
+    # faster links, lower per-message cost
+    assert Network.ethernet_1g.latency > Network.ethernet_10g.latency > Network.infiniband_100g.latency
+    # the old positional form still works, with an empty name
+    assert Network(1e9, 1e-6) == Network(bandwidth=1e9, latency=1e-6, name="")
+    assert Network.from_gbit(10, 20, name="x") == Network(1.25e9, 20e-6, "x")
+    assert Network(1.25e9, 2e-5).label == "10 Gbit/s, 20 us" and Network.wan.label == "wan"
+
+
+# --------------------------------------------------------------------------- predict_step
+
+AR80 = [Collective("all-reduce", (("f32", (20_000_000,)),), 80_000_000, "ar")]
+
+
+def test_predict_step_by_hand():
+    # 8 workers, 1e9 B/s, 10 us: comm = 14 * 10us + 1.75 * 80e6 / 1e9 = 0.00014 + 0.14
+    p = netmodel.predict_step(AR80, 8, Network(1e9, 1e-5), compute_s=0.2)
+    assert math.isclose(p.comm_s, 0.14014)
+    assert math.isclose(p.no_overlap_s, 0.34014)
+    assert math.isclose(p.overlap_s, 0.2)
+    assert math.isclose(p.comm_fraction, 0.14014 / 0.34014)
+    # 1.4e8 bytes' worth of time must fit in 0.2 - 0.00014 s
+    assert math.isclose(p.hiding_bandwidth, 1.4e8 / 0.19986)
+    assert math.isclose(netmodel.predict_step(AR80, 8, Network(p.hiding_bandwidth, 1e-5), 0.2).comm_s, 0.2)
+    # communication longer than compute: overlap is bounded by communication
+    q = netmodel.predict_step(AR80, 8, Network(1e9, 1e-5), compute_s=0.1)
+    assert math.isclose(q.overlap_s, 0.14014) and math.isclose(q.no_overlap_s, 0.24014)
+    assert math.isclose(q.hiding_bandwidth, 1.4e8 / 0.09986)
+    assert p._fields == ("compute_s", "comm_s", "no_overlap_s", "overlap_s", "comm_fraction", "hiding_bandwidth")
+
+
+def test_predict_step_hiding_bandwidth_inf_and_zero():
+    # 64 workers, 10 ms per message: 126 messages = 1.26 s of latency > 1 s of compute
+    assert netmodel.predict_step(AR80, 64, Network(1e9, 0.01), compute_s=1.0).hiding_bandwidth == math.inf
+    assert netmodel.predict_step(AR80, 2, Network(1e9, 0.25), compute_s=0.5).hiding_bandwidth == math.inf  # equal
+    assert netmodel.predict_step(AR80, 8, Network(1e9), compute_s=0.0).hiding_bandwidth == math.inf
+    # nothing to send: no collectives, empty ones, or one worker
+    for ops, n in (([], 8), ([AR80[0]._replace(bytes=0)], 8), (AR80, 1)):
+        p = netmodel.predict_step(ops, n, Network(1e9), compute_s=0.1)
+        assert p.hiding_bandwidth == 0.0 and p.comm_s == 0.0 and p.overlap_s == 0.1 and p.comm_fraction == 0.0
+    p = netmodel.predict_step([], 8, Network(1e9), compute_s=0.0)
+    assert p == (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"network": Network(0.0)}, "bandwidth"),
+        ({"network": Network(-1.0)}, "bandwidth"),
+        ({"network": Network(1e9, -1e-6)}, "latency"),
+        ({"compute_s": -0.1}, "compute_s"),
+        ({"workers": 0}, "workers"),
+        ({"workers": 2.5}, "workers"),
+    ],
+)
+@pytest.mark.parametrize("ops", [[], AR80])
+def test_predict_step_bad_input(kwargs, name, ops):
+    args = {"collectives": ops, "workers": 8, "network": Network(1e9), "compute_s": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        netmodel.predict_step(**args)
+
+
+def test_predict_step_unknown_collective():
+    with pytest.raises(ValueError, match="kind"):
+        netmodel.predict_step([Collective("all-to-all", (), 10, "x")], 8, Network(1e9), 0.1)
+
+
+# --------------------------------------------------------------------------- the model's bytes are the audited ones
+
+
+@pytest.mark.parametrize("make", [lambda: cj.topk(0.1, axis_name="data"), lambda: cj.powersgd(2, axis_name="data")],
+                         ids=["topk", "powersgd"])
+def test_prediction_uses_the_audited_bytes_of_a_compiled_step(mesh, make):
+    tx = optax.chain(make(), optax.sgd(0.1))  # with the non-finite vote: an all-reduce next to the exchange
+    params = {"w": jnp.zeros((20, 50)), "b": jnp.zeros((50,))}
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"] + p["b"] - 1.0) ** 2)
+
+    step = parallel.data_parallel_step(loss, tx, mesh)
+    p, s = parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh)
+    x = parallel.shard_batch(jnp.ones((4 * mesh.size, 20)), mesh)
+    ops = cj.audit_collectives(step, p, s, x)
+    assert {c.op for c in ops} <= {"all-reduce", "all-gather"} and len(ops) >= 2
+    n, net, compute = mesh.size, Network(1e8, 2e-5), 0.003
+    pred = netmodel.predict_step(ops, n, net, compute)
+    by_hand = 0.0
+    for c in ops:  # the formulas written out again, over the audited bytes
+        if c.op == "all-reduce":
+            by_hand += 2 * (n - 1) * (net.latency + c.bytes / n / net.bandwidth)
+        else:
+            by_hand += (n - 1) * (net.latency + c.bytes / net.bandwidth)
+    assert math.isclose(pred.comm_s, by_hand)
+    _, s, _ = step(p, s, x)
+    sent = cj.payload_bytes(s)
+    assert np.all(sent == sum(c.bytes for c in ops))
+    # compare() reports the same bytes and times
+    (row,) = netmodel.compare({"x": ops}, n, net, compute, baseline=None)
+    assert row["bytes"] == int(sent[0]) and math.isclose(row["comm_s"], by_hand)
+
+
+# --------------------------------------------------------------------------- measure_compute_time
+
+
+def test_measure_compute_time_is_the_median_after_warmup(monkeypatch):
+    calls = []
+    ticks = iter([10.0, 11.0, 20.0, 26.0, 30.0, 32.0])  # durations 1, 6, 2: median 2, mean 3
+
+    monkeypatch.setattr(netmodel.time, "perf_counter", lambda: next(ticks))
+    t = netmodel.measure_compute_time(lambda a, b=0: calls.append((a, b)) or jnp.zeros(()), 1, b=2, repeats=3,
+                                      warmup=2)
+    assert t == 2.0
+    assert calls == [(1, 2)] * 5  # 2 warm-up calls (not timed) + 3 timed
+
+
+def test_measure_compute_time_runs_and_validates():
+    assert netmodel.measure_compute_time(lambda x: x + 1, jnp.ones(3), repeats=2) >= 0.0
+    with pytest.raises(ValueError, match="repeats"):
+        netmodel.measure_compute_time(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        netmodel.measure_compute_time(lambda: None, warmup=-1)
+
+
+# --------------------------------------------------------------------------- compare and to_markdown
+
+DENSE = [Collective("all-reduce", (), 4_000_000, "ar")]
+SPARSE = [Collective("all-gather", (), 100_000, "i"), Collective("all-gather", (), 100_000, "v")]
+
+
+def test_compare_rows_and_speedups():
+    nets = [Network.ethernet_1g, Network.ethernet_10g]
+    rows = netmodel.compare({"identity": DENSE, "topk": SPARSE}, 8, nets, 0.1)
+    assert [(r["compressor"], r["network"], r["workers"]) for r in rows] == [
+        ("identity", "ethernet_1g", 8), ("identity", "ethernet_10g", 8),
+        ("topk", "ethernet_1g", 8), ("topk", "ethernet_10g", 8)]
+    assert [r["bytes"] for r in rows] == [4_000_000, 4_000_000, 200_000, 200_000]
+    # 1 GbE: dense 14 * 50us + 1.75 * 4e6 / 125e6 = 0.0007 + 0.056; sparse 2 * (7 * 50us + 7 * 1e5 / 125e6)
+    dense_1g, sparse_1g = 0.0007 + 0.056, 2 * (0.00035 + 0.0056)
+    assert math.isclose(rows[0]["comm_s"], dense_1g) and math.isclose(rows[2]["comm_s"], sparse_1g)
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == 1.0
+    assert math.isclose(rows[2]["speedup"], (0.1 + dense_1g) / (0.1 + sparse_1g))
+    assert math.isclose(rows[2]["speedup_overlap"], 1.0)  # both hidden behind 100 ms of compute
+    assert math.isclose(rows[2]["no_overlap_s"], 0.1 + sparse_1g) and rows[2]["overlap_s"] == 0.1
+    # all-gathers lose their edge as workers grow: at 64 workers top-k's 20x fewer bytes cost more than dense
+    rows = netmodel.compare({"identity": DENSE, "topk": SPARSE}, [8, 64], Network(1e9), 0.0)
+    speed = {(r["compressor"], r["workers"]): r["speedup"] for r in rows}
+    assert math.isclose(speed["topk", 8], 7 / 1.4) and math.isclose(speed["topk", 64], (126 / 64 * 4) / (63 * 0.2))
+    assert speed["topk", 64] < 1 < speed["topk", 8]
+
+
+def test_compare_networks_mapping_compute_mapping_and_no_baseline():
+    rows = netmodel.compare({"a": DENSE, "b": SPARSE}, 4, {"lan": Network(1e9)}, {"a": 0.1, "b": 0.2}, baseline=None)
+    assert [r["network"] for r in rows] == ["lan", "lan"] and "speedup" not in rows[0]
+    assert [r["compute_s"] for r in rows] == [0.1, 0.2]
+    rows = netmodel.compare({"a": DENSE}, 4, Network.wan, 0.1, baseline="a")
+    assert rows[0]["network"] == "wan" and rows[0]["speedup"] == 1.0
+
+
+def test_compare_bad_input():
+    with pytest.raises(ValueError, match="baseline"):
+        netmodel.compare({"topk": SPARSE}, 8, Network(1e9), 0.1)
+    with pytest.raises(ValueError, match="compute_s"):
+        netmodel.compare({"identity": DENSE, "topk": SPARSE}, 8, Network(1e9), {"identity": 0.1})
+    with pytest.raises(ValueError, match="networks"):
+        netmodel.compare({"identity": DENSE}, 8, "ethernet_1g", 0.1)
+    with pytest.raises(ValueError, match="workers"):
+        netmodel.compare({"identity": DENSE}, 0, Network(1e9), 0.1)
+
+
+def test_to_markdown():
+    rows = netmodel.compare({"identity": DENSE, "topk": SPARSE}, 8, [Network.ethernet_1g], 0.1)
+    md = netmodel.to_markdown(rows)
+    lines = md.strip().split("\n")
+    assert len(lines) == 2 + len(rows)
+    assert lines[0].startswith("| compressor | network | workers | bytes/step/worker | compute (ms) | comm (ms) |")
+    assert lines[2].startswith("| identity | ethernet_1g | 8 | 4,000,000 | 100.0 | 56.7 |")
+    assert "| 1.00× |" in lines[2] and lines[3].startswith("| topk | ethernet_1g | 8 | 200,000 |")
+    assert netmodel.to_markdown([]) == ""
 
 
 @pytest.mark.parametrize(

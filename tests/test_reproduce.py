@@ -30,3 +30,37 @@ def test_tiny_reproduction_writes_table_and_plot(tmp_path):
     # Report-only rebuilds the same table from the records without training.
     dgc.main(["--out-dir", str(tmp_path), "--report-only"])
     assert (tmp_path / "dgc_fashion_mnist_cnn.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
+
+
+def test_dga_time_model_by_hand():
+    """The step-time model of the DGA reproduction, against hand-computed values (8 workers, one all-reduce)."""
+    import math
+
+    from compjax import netmodel
+    from compjax.accounting import Collective
+    from experiments.reproduce import dga
+
+    ops = [Collective("all-reduce", (("f32", (250,)),), 1000, "a")]
+    net = netmodel.Network(bandwidth=1e5, latency=0.04)  # 100 kB/s, 40 ms
+    comm_bytes = 2 * 7 / 8 * 1000 / 1e5  # ring all-reduce: 2 (n-1)/n of the bytes
+    comm = 2 * 7 * 0.04 + comm_bytes  # + 2 (n-1) latencies = 0.5775 s
+    sync = dga.model_step(ops, 0, net, 0.05)
+    assert math.isclose(sync["paper"], 0.05 + comm) and math.isclose(sync["in_step"], 0.05 + comm)
+    d5 = dga.model_step(ops, 5, net, 0.05)
+    assert math.isclose(d5["paper"], comm / 6)  # the latency spread over D + 1 steps dominates here
+    assert math.isclose(d5["in_step"], comm)  # one step of compute cannot hide it
+    d20 = dga.model_step(ops, 20, net, 0.05)
+    assert math.isclose(d20["paper"], 0.05)  # compute-bound: comm / 21 = 27.5 ms < 50 ms
+
+
+def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
+    from experiments.reproduce import dga
+
+    tiny = "--epochs 1 --max-steps 4 --train-limit 1024 --batch-size 64"
+    rows = dga.main(["--out-dir", str(tmp_path), "--delays", "0,2", "--train-args", tiny])
+    assert [r["delay"] for r in rows] == [0, 2]
+    assert rows[0]["bytes"] == 4 * 206_922  # the dense float32 exchange; no non-finite vote (see the config)
+    md = (tmp_path / "dga_fashion_mnist_cnn.md").read_text()
+    assert md.count("\n| ") == 3 and "paper's system" in md  # header + 2 runs
+    assert (tmp_path / "dga_fashion_mnist_cnn.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "dga_fashion_mnist_cnn.json").read_text())["network"]["latency"] > 0.01

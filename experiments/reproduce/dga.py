@@ -1,0 +1,228 @@
+"""Delayed Gradient Averaging (Zhu et al., NeurIPS 2021) in shape: accuracy and modeled wall-clock time vs delay.
+
+    python -m experiments.reproduce.dga                       # Fashion-MNIST CNN, 8 workers, D = 0, 2, 5, 10, 20
+    python -m experiments.reproduce.dga --report-only --readme README.md   # table + plot from the records
+
+One main-job run (:mod:`experiments.train`, ``--compressor dga``) per delay,
+with the settings of :mod:`experiments.configs.dga_fashion_mnist_cnn`; delay 0
+is synchronous data-parallel SGD.  Records go under
+``experiments/results/reproduce/dga/``, the table to
+``experiments/results/reproduce/dga_fashion_mnist_cnn.md`` and the
+accuracy-vs-time plot beside it.
+
+**The time model** (printed with the table), per step of ``n = 8`` workers on the
+network preset (WAN: Mumbai–San Francisco):
+
+* ``compute`` -- the measured time of one worker's forward and backward pass on
+  its local batch on this machine (:func:`compjax.netmodel.measure_compute_time`);
+* ``comm`` -- the alpha–beta time of the step's collectives as audited from the
+  compiled step (:func:`compjax.audit_collectives`, :func:`compjax.netmodel.predict_step`):
+  latency ``2 (n-1) alpha`` of a ring all-reduce plus its bytes over the bandwidth.
+  The runs have no non-finite guard (``--no-skip-nonfinite``): its vote is an
+  all-reduce on the current gradient, synchronous by nature, as costly in
+  latency as the exchange itself on this link, and the paper has none;
+* delay 0 (synchronous): ``compute + comm``;
+* the paper's system (an exchange may take up to ``D`` further steps, sent by a
+  communication thread while the link carries one exchange's bytes per step):
+  ``max(compute, comm_bytes, comm / (D + 1))``, ``comm_bytes`` the bandwidth part;
+* compjax's single-program step, where the delayed exchange is issued inside step
+  ``t`` and overlaps that step's computation only: ``max(compute, comm)`` for any
+  ``D >= 1``.
+
+The modeled run time is the number of steps times the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from experiments import train  # first: it asks for 8 simulated CPU devices before JAX starts
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results" / "reproduce"
+CONFIG = "experiments.configs.dga_fashion_mnist_cnn"
+NAME = "dga_fashion_mnist_cnn"
+WORKERS = 8
+
+
+def load_config():
+    """The ``ml_collections.ConfigDict`` of the reproduction."""
+    return importlib.import_module(CONFIG).get_config()
+
+
+def run_args(config, delay: int) -> list[str]:
+    """Main-job arguments of the run with ``delay``."""
+    argv = ["--compressor", "dga", "--delay", str(delay), "--inner", config.inner, "--epochs", str(config.epochs),
+            "--batch-size", str(config.batch_size), "--lr", str(config.lr), "--momentum", str(config.momentum),
+            "--warmup-steps", str(config.warmup_steps)]
+    return argv + ([] if config.skip_nonfinite else ["--no-skip-nonfinite"])
+
+
+def read_summary(path: Path) -> tuple[list[dict], dict | None]:
+    """The epoch records and the summary line of one JSONL record."""
+    epochs, summary = [], None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "epoch":
+            epochs.append(rec)
+        elif rec["kind"] == "summary":
+            summary = rec
+    return epochs, summary
+
+
+def audited_and_compute(config, delay: int, workers: int = WORKERS):
+    """The collectives of the main job's compiled step with ``delay`` (steady state) and one worker's compute time.
+
+    Returns ``(collectives, compute_s)``: the audit of the data-parallel step as
+    the main job builds it, and the median seconds of one worker's forward and
+    backward pass on its ``batch_size / workers`` images.
+    """
+    import jax
+    import numpy as np
+
+    from compjax import audit_collectives, netmodel, parallel
+    from experiments import compressors, models, train
+
+    args = train.parse_args(run_args(config, delay) + ["--no-progress"])
+    params, _, loss_fn = models.build(0, model="cnn")
+    mesh = parallel.make_mesh(workers)
+    steps = 60_000 // config.batch_size * config.epochs
+    compressor, _ = compressors.build(args, "data", skip_nonfinite=False)
+    tx = train.guard(args, train.transform(args, compressor, steps), "data")  # no guard with --no-skip-nonfinite
+    step = parallel.data_parallel_step(loss_fn, tx, mesh)
+    rng = np.random.default_rng(0)
+    x = rng.random((config.batch_size, 28, 28, 1), np.float32)
+    y = rng.integers(0, 10, config.batch_size)
+    ops = audit_collectives(step, parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh),
+                            parallel.shard_batch((x, y), mesh))
+    local = (x[: config.batch_size // workers], y[: config.batch_size // workers])
+    compute_s = netmodel.measure_compute_time(jax.jit(jax.grad(loss_fn)), params, local, repeats=20)
+    return ops, compute_s
+
+
+def model_step(ops, delay: int, network, compute_s: float, workers: int = WORKERS) -> dict[str, float]:
+    """Seconds per step under the module docstring's model: synchronous, the paper's pipelining, compjax's in-step overlap."""
+    from compjax import netmodel
+
+    comm = netmodel.predict_step(ops, workers, network, compute_s).comm_s
+    comm_bytes = netmodel.predict_step(ops, workers, netmodel.Network(network.bandwidth, 0.0), compute_s).comm_s
+    if delay == 0:
+        return {"comm": comm, "paper": compute_s + comm, "in_step": compute_s + comm}
+    return {"comm": comm, "paper": max(compute_s, comm_bytes, comm / (delay + 1)), "in_step": max(compute_s, comm)}
+
+
+def table(rows: list[dict], network_name: str, compute_s: float) -> str:
+    base = next(r for r in rows if r["delay"] == 0)
+    lines = [
+        f"Network `{network_name}`, {WORKERS} workers; compute {1e3 * compute_s:.1f} ms/step (one worker's forward "
+        "and backward pass, measured on this CPU); communication from the audited step.",
+        "",
+        "| delay D | test accuracy | Δ vs D = 0 (points) | bytes/step/worker | modeled comm (ms/step) | "
+        "modeled step, paper's system (ms) | modeled run, paper's system (s) | speedup | "
+        "modeled step, in-step overlap (ms) | speedup (in-step) | epochs | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['delay']} | {100 * r['accuracy']:.2f}% | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
+            f"{r['bytes']:,} | {1e3 * r['comm']:.1f} | {1e3 * r['paper']:.1f} | {r['paper'] * r['steps']:.0f} | "
+            f"{base['paper'] / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {base['in_step'] / r['in_step']:.2f}× | "
+            f"{r['epochs']} | {r['steps']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Test accuracy against modeled wall-clock time (both models), one point per delay."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label, marker in (("paper", "paper's system (exchange may take D steps)", "o"),
+                               ("in_step", "compjax in-step overlap", "s")):
+        xs = [r[key] * r["steps"] / 60 for r in rows]
+        ax.plot(xs, [100 * r["accuracy"] for r in rows], marker=marker, linestyle="", label=label)
+        for r, x in zip(rows, xs):
+            ax.annotate(f"D={r['delay']}", (x, 100 * r["accuracy"]), fontsize=8, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("modeled wall-clock time (minutes, log scale)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
+    p.add_argument("--train-args", default="", help="extra main-job arguments, e.g. '--max-steps 5'")
+    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
+    args = p.parse_args(argv)
+    config = load_config()
+    from compjax import netmodel
+
+    network = netmodel.Network.presets()[config.network]
+    delays = [int(d) for d in args.delays.split(",")] if args.delays else list(config.delays)
+    record_dir = args.out_dir / "dga"
+    record_dir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        for d in delays:
+            train.main(run_args(config, d) + args.train_args.split()
+                       + ["--out", str(record_dir / f"delay{d}.jsonl"), "--no-progress"])
+    rows, audits, compute_s = [], {}, None
+    for d in sorted(config.delays):
+        path = record_dir / f"delay{d}.jsonl"
+        if not path.exists():
+            continue
+        epochs, summary = read_summary(path)
+        if summary is None:
+            continue
+        audits[d], c = audited_and_compute(config, d)
+        if votes := [o for o in audits[d] if o.operands == (("s32", ()),)]:
+            raise SystemExit(f"the audited step of D={d} holds a non-finite vote {votes}: set "
+                             "config.skip_nonfinite = False (the model treats every collective as delayable)")
+        compute_s = c if compute_s is None else compute_s  # one measurement for every row
+        ops = audits[d]
+        times = model_step(ops, d, network, compute_s)
+        rows.append({"delay": d, "accuracy": summary["test_accuracy"], "bytes": summary["payload_bytes_per_step"],
+                     "steps": summary["steps"], "epochs": len(epochs), **times})
+    if not any(r["delay"] == 0 for r in rows):
+        raise SystemExit(f"no record of the delay-0 run under {record_dir}")
+    text = table(rows, config.network, compute_s)
+    (args.out_dir / f"{NAME}.md").write_text(
+        f"<!-- generated by: python -m experiments.reproduce.dga (--report-only rebuilds it) -->\n{text}")
+    (args.out_dir / f"{NAME}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
+                                                           "rows": rows}, indent=1))
+    plot(rows, args.out_dir / f"{NAME}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers")
+    if args.readme:
+        from experiments.results_table import update_readme
+
+        update_readme(args.readme, text, NAME)
+    print(text, end="")
+    best = max(r["delay"] for r in rows)
+    for latency in (network.latency, config.seed_latency_s):
+        net = netmodel.Network(network.bandwidth, latency, network.name)
+        sync, delayed = model_step(audits[0], 0, net, compute_s), model_step(audits[best], best, net, compute_s)
+        print(f"Modeled speedup of D={best} over synchronous SGD at {1e3 * latency:.0f} ms one-way latency "
+              f"({8 * network.bandwidth / 1e6:.0f} Mbit/s, {WORKERS} workers): "
+              f"{sync['paper'] / delayed['paper']:.2f}x if an exchange may take D steps (the paper's system), "
+              f"{sync['in_step'] / delayed['in_step']:.2f}x with compjax's in-step overlap; assumptions: "
+              "python -m experiments.reproduce.dga --help", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
