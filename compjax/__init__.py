@@ -6,11 +6,12 @@ their payloads, exact byte accounting and data-parallel helpers.
 
 from compjax import algorithms, bytecount, codecs, collectives, netmodel, parallel
 from compjax.accounting import Collective, audit_collectives, payload_bytes
-from compjax.algorithms import DelayedAveragingState, delayed_averaging
+from compjax.algorithms import DelayedAveragingState, DilocoState, delayed_averaging, diloco
 from compjax.compressors import (
     ApplyIfFiniteState,
     CastState,
     DgcState,
+    E3m0State,
     IdentityState,
     OnebitState,
     PowerSGDState,
@@ -24,6 +25,7 @@ from compjax.compressors import (
     cast,
     dgc,
     dgc_warmup_schedule,
+    e3m0,
     identity,
     onebit,
     powersgd,
@@ -43,6 +45,8 @@ __all__ = [
     "Collective",
     "DelayedAveragingState",
     "DgcState",
+    "DilocoState",
+    "E3m0State",
     "IdentityState",
     "OnebitState",
     "PowerSGDState",
@@ -63,6 +67,8 @@ __all__ = [
     "delayed_averaging",
     "dgc",
     "dgc_warmup_schedule",
+    "diloco",
+    "e3m0",
     "identity",
     "netmodel",
     "onebit",

@@ -147,6 +147,7 @@ register(
     lambda a: {"levels": a.levels},
 )
 register("signsgd", (), lambda a, ax, **kw: cj.signsgd(axis_name=ax, **kw))
+register("e3m0", (), lambda a, ax, **kw: cj.e3m0(axis_name=ax, **kw))  # Streaming DiLoCo's 4-bit floats
 register(
     "cast",
     (("--dtype", {"default": "bfloat16", "choices": ["bfloat16", "float16"], "help": "cast payload dtype"}),),

@@ -6,12 +6,16 @@ the arguments that fix shapes (``static_args`` of ``optax.inject_hyperparams``);
 gives, for one traceable hyperparameter, another value to inject while training;
 ``random`` marks transforms whose result depends on their key; ``one_path`` gives the arguments
 that leave a single path in the compiled program (no warm-up or start-up branch), so that the
-audited collectives are exactly those of one step.
+audited collectives are exactly those of one step; ``local_steps`` marks transforms whose steps
+are local to each worker between synchronizations (DiLoCo): a non-finite gradient skips the step
+of that worker only, with no vote.  The battery passes ``params`` to every ``update``.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+import optax
 
 import compjax as cj
 
@@ -24,6 +28,7 @@ class Case(NamedTuple):
     traced: tuple | None = None  # (name, other value)
     random: bool = False
     one_path: dict = {}
+    local_steps: bool = False
 
     def make(self, axis_name=None, **overrides):
         return self.factory(*self.args, **{**self.kwargs, **overrides}, axis_name=axis_name)
@@ -33,6 +38,13 @@ def delayed_topk(delay, *, axis_name=None, skip_nonfinite=True):
     """Delayed averaging whose exchange goes through top-k with error feedback (on the same axis)."""
     inner = cj.topk(0.05, axis_name=axis_name, skip_nonfinite=False)
     return cj.delayed_averaging(delay, axis_name=axis_name, compressor=inner, skip_nonfinite=skip_nonfinite)
+
+
+def diloco_sgd(*, sync_every, fragments=1, overlap=0, alpha=0.5, e3m0=False, axis_name=None, skip_nonfinite=True):
+    """DiLoCo with inner SGD with momentum; Streaming DiLoCo's 4-bit outer gradients with ``e3m0``."""
+    comm = cj.e3m0(axis_name=axis_name, skip_nonfinite=False) if e3m0 else None
+    return cj.diloco(optax.sgd(0.1, momentum=0.9), sync_every=sync_every, fragments=fragments, overlap=overlap,
+                     alpha=alpha, compressor=comm, axis_name=axis_name, skip_nonfinite=skip_nonfinite)
 
 
 CASES = {
@@ -53,6 +65,13 @@ CASES = {
     "terngrad": Case(cj.terngrad, (), {"key": 3}, traced=("clip_sigma", 1.5), random=True),
     "qsgd": Case(cj.qsgd, (16,), {"key": 3}, static=("levels",), random=True),
     "signsgd": Case(cj.signsgd),
+    "e3m0": Case(cj.e3m0),
     "delayed_averaging": Case(cj.delayed_averaging, (), {"delay": 2}, static=("delay",), one_path={"delay": 0}),
     "delayed_averaging_topk": Case(delayed_topk, (), {"delay": 1}, static=("delay",), one_path={"delay": 0}),
+    "diloco": Case(diloco_sgd, (), {"sync_every": 2}, static=("sync_every", "fragments", "overlap", "e3m0"),
+                   one_path={"sync_every": 1}, local_steps=True),
+    # H = 2, two fragments (offsets 0 and 1), overlap 1: within 3 steps a fragment starts, one merges, one starts.
+    "streaming_diloco": Case(diloco_sgd, (), {"sync_every": 2, "fragments": 2, "overlap": 1, "e3m0": True},
+                             static=("sync_every", "fragments", "overlap", "e3m0"), traced=("alpha", 0.2),
+                             one_path={"sync_every": 1, "fragments": 1, "overlap": 0}, local_steps=True),
 }

@@ -8,7 +8,9 @@ workers with the skip counter at 1; dtypes are kept and odd leaves pass
 through; the state can be donated and holds no shared buffers; ``init`` runs
 under ``jit``; the second step does not recompile; ``shard_map``, ``pmap`` and
 ``vmap`` agree; the same key gives the same result; ``payload_bytes`` equals
-the compiled program's collectives.
+the compiled program's collectives.  Every ``update`` gets ``params`` (DiLoCo needs them; the
+compressors ignore them).  Transforms with local steps (``Case.local_steps``) skip a non-finite step on
+the worker that saw it only.
 """
 
 from __future__ import annotations
@@ -121,10 +123,10 @@ def test_wrappers_and_branches_equal_the_unwrapped_transform(mesh, name):
         for k, tx in txs.items():
             outs[k], new[k] = tx.update(grads, states[k], params)
         g_sub = {"big": grads["big"], "dense": {"kernel": grads["dense"]["kernel"]}}
-        outs["sub"], new["sub"] = sub.update(g_sub, states["sub"])
+        outs["sub"], new["sub"] = sub.update(g_sub, states["sub"], sub_params)
         # User branches over the state, with a varying predicate (from the state) as DGA/DiLoCo use them.
         s = states["plain"]
-        run = lambda _: txs["plain"].update(grads, s)  # noqa: E731
+        run = lambda _: txs["plain"].update(grads, s, params)  # noqa: E731
         hold = lambda _: (jax.tree.map(jnp.zeros_like, grads), s)  # noqa: E731
         outs["cond(True)"], new["cond(True)"] = jax.lax.cond(s.count >= 0, run, hold, None)
         outs["cond(False)"], new["cond(False)"] = jax.lax.cond(s.count < 0, run, hold, None)
@@ -175,6 +177,8 @@ def test_inject_hyperparams_names_a_shape_argument_left_traced(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_nan_on_one_worker_skips_the_step_on_every_worker(mesh, name):
+    """With a vote, every worker skips; with local steps (DiLoCo), worker 3 alone, and the whole-chain guard
+    (cj.apply_if_finite) still skips everywhere."""
     case = CASES[name]
     params = zeros_params()
     txs = {
@@ -199,9 +203,21 @@ def test_nan_on_one_worker_skips_the_step_on_every_worker(mesh, name):
     bad["dense"]["kernel"][3, 2, 1] = np.nan  # worker 3 only
     new = jax.block_until_ready(f(ps, ss, put(bad, mesh)))
     cls = type(case.make(AXIS).init(params))
-    for k in txs:
-        assert_trees_equal(new[k][0], ps[k], err=f"{name}, {k}: parameters moved")
     c_old, c_new = find(ss["compressor"], cls), find(new["compressor"][1], cls)
+    if case.local_steps:  # only worker 3 skips its (local) step; nothing non-finite anywhere
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new["compressor"]))
+        np.testing.assert_array_equal(np.asarray(c_new.skipped), [0, 0, 0, 1, 0, 0, 0, 0])
+        np.testing.assert_array_equal(np.asarray(c_new.count), np.asarray(c_old.count) + 1)
+        worker = lambda tree, w: jax.tree.map(lambda x: np.asarray(x)[w], tree)  # noqa: E731
+        assert_trees_equal(worker(c_new.inner, 3), worker(c_old.inner, 3), err=f"{name}: worker 3's inner state")
+        assert not np.array_equal(np.asarray(c_new.inner.inner_state[0].trace["big"])[0],
+                                  np.asarray(c_old.inner.inner_state[0].trace["big"])[0])
+    for k in txs:
+        if case.local_steps and k == "compressor":
+            continue
+        assert_trees_equal(new[k][0], ps[k], err=f"{name}, {k}: parameters moved")
+    if case.local_steps:
+        return
     assert_trees_equal(without(c_new, "skipped", "payload_bytes"), without(c_old, "skipped", "payload_bytes"),
                        err=f"{name}: compressor state changed")
     assert np.all(np.asarray(c_new.skipped) == 1) and np.all(np.asarray(c_old.skipped) == 0)
@@ -227,7 +243,7 @@ def test_dtypes_kept_odd_leaves_pass_through_and_bytes_are_audited(mesh, name):
 
     def step(fgrads, state):
         grads = {**fgrads, **{k: np.zeros(ODD[k][0], jax.dtypes.float0) for k in ("int", "flag")}}
-        out, state = tx.update(grads, state)
+        out, state = tx.update(grads, state, params)
         assert out["int"].dtype == out["flag"].dtype == jax.dtypes.float0
         return {k: out[k] for k in fgrads}, state
 
@@ -262,7 +278,7 @@ def test_donation_init_under_jit_and_one_compilation(mesh, name):
     update = jax.jit(tx.update, donate_argnums=1)
     for t in range(2):
         g = jax.tree.map(lambda x: x[0], local_grads(seed=t, n=1))
-        out, state = jax.block_until_ready(update(g, state))
+        out, state = jax.block_until_ready(update(g, state, params))
     assert update._cache_size() == 1
     assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out))
     # The data-parallel step, donated, on 8 workers.
@@ -290,9 +306,10 @@ def test_donation_init_under_jit_and_one_compilation(mesh, name):
 
 def run_backend(tx, backend, mesh, steps=STEPS):
     state = stacked_init(tx, zeros_params())
+    params = jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), zeros_params())
     if backend == "shard_map":
         f = per_worker(tx.update, mesh)
-        state = put(state, mesh)
+        state, params = put(state, mesh), put(params, mesh)
     elif backend == "pmap":
         f = jax.pmap(tx.update, axis_name=AXIS)
     else:
@@ -300,7 +317,7 @@ def run_backend(tx, backend, mesh, steps=STEPS):
     outs = []
     for t in range(steps):
         g = local_grads(seed=10 + t)
-        out, state = jax.block_until_ready(f(put(g, mesh) if backend == "shard_map" else g, state))
+        out, state = jax.block_until_ready(f(put(g, mesh) if backend == "shard_map" else g, state, params))
         outs.append(out)
     return jax.tree.map(np.asarray, (outs, state))
 
@@ -326,7 +343,7 @@ def test_every_key_form_gives_the_same_result(name):
     results = []
     for key in (3, jax.random.key(3), jax.random.PRNGKey(3), np.uint32([0, 3])):
         tx = case.make(key=key)
-        out, _ = jax.jit(tx.update)(g, tx.init(params))
+        out, _ = jax.jit(tx.update)(g, tx.init(params), params)
         results.append(jax.tree.map(np.asarray, out))
     for r in results[1:]:
         assert_trees_equal(r, results[0], err=name)

@@ -1,8 +1,10 @@
 """Multi-step methods built on the compressors: what they send goes through any compjax compressor.
 
 * :func:`delayed_averaging` -- Delayed Gradient Averaging (Zhu et al., NeurIPS 2021).
+* :func:`diloco` -- DiLoCo and Streaming DiLoCo (Douillard et al., 2023, 2025).
 """
 
 from compjax.algorithms.delayed import DelayedAveragingState, delayed_averaging
+from compjax.algorithms.diloco import DilocoState, diloco, fragment_assignment
 
-__all__ = ["DelayedAveragingState", "delayed_averaging"]
+__all__ = ["DelayedAveragingState", "DilocoState", "delayed_averaging", "diloco", "fragment_assignment"]

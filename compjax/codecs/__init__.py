@@ -5,7 +5,7 @@ Nothing here knows about workers or axis names; ``compjax.collectives`` moves
 the payloads and ``compjax.compressors`` adds error feedback and state.
 """
 
-from compjax.codecs import bitpack, quantize, threshold
+from compjax.codecs import bitpack, e3m0, quantize, threshold
 from compjax.codecs.bucket import Bucket, make_bucket
 from compjax.codecs.lowrank import from_matrix, matrix_shape, orthonormalize, to_matrix, use_lowrank
 from compjax.codecs.sparse import layer_k, randomk_select, topk_select, zero_at
@@ -13,6 +13,7 @@ from compjax.codecs.sparse import layer_k, randomk_select, topk_select, zero_at
 __all__ = [
     "Bucket",
     "bitpack",
+    "e3m0",
     "from_matrix",
     "layer_k",
     "make_bucket",

@@ -9,6 +9,7 @@ the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
 
 from compjax.compressors.cast import CastState, cast
 from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
+from compjax.compressors.e3m0 import E3m0State, e3m0
 from compjax.compressors.finite import ApplyIfFiniteState, apply_if_finite
 from compjax.compressors.identity import IdentityState, identity
 from compjax.compressors.onebit import OnebitState, onebit
@@ -24,6 +25,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "CastState",
     "DgcState",
+    "E3m0State",
     "IdentityState",
     "OnebitState",
     "PowerSGDState",
@@ -37,6 +39,7 @@ __all__ = [
     "cast",
     "dgc",
     "dgc_warmup_schedule",
+    "e3m0",
     "identity",
     "onebit",
     "powersgd",

@@ -1,0 +1,212 @@
+"""DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
+
+    python -m experiments.reproduce.diloco                        # 6 runs, ~5 min on a 2-core CPU
+    python -m experiments.reproduce.diloco --report-only --readme README.md   # table + plot from the records
+
+Rows (every one the same model, data, steps, seed and inner learning-rate schedule):
+
+* **data-parallel**: AdamW on the gradients averaged every step (``cj.identity``: float32 all-reduce);
+* **DiLoCo, H = 50**: ``cj.diloco(adamw, sync_every=50)``, outer Nesterov SGD (lr 0.7, momentum 0.9),
+  float32 outer gradients (Douillard et al. 2023);
+* **Streaming DiLoCo**: 2 fragments (offsets 0 and 25), overlap τ = 1, α = 0.5, outer Nesterov lr 0.4,
+  outer gradients sent as 4-bit E3M0 without error feedback (Douillard et al. 2025);
+* **DiLoCo + top-k**: H = 50, outer gradients through ``cj.topk(0.05)`` with error feedback;
+* **DiLoCo, Muon inner**: H = 50, ``optax.contrib.muon`` as the inner optimizer (lr 0.02 for the matrices,
+  AdamW's schedule for the rest), and **data-parallel with Muon**, its synchronous reference.
+
+Reported: final validation loss (nats per character) of the workers' mean parameters and of worker 0's,
+the total bytes one worker put into collectives (``cj.payload_bytes`` read every step, so what was
+really sent), the peak bytes in any one step, and the bytes ratio vs data-parallel.  Writes
+``experiments/results/reproduce/diloco_tiny_shakespeare.{md,json,png}`` and one record per run under
+``experiments/results/reproduce/diloco/``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+
+import argparse
+import json
+from pathlib import Path
+
+NAME = "diloco_tiny_shakespeare"
+OUT = Path(__file__).resolve().parents[1] / "results" / "reproduce"
+RUNS = OUT / "diloco"
+
+#: The run settings shared by every row.
+SETTINGS = {"model_config": "tiny", "steps": 600, "workers": 4, "batch_per_worker": 16, "seq_len": 64,
+            "eval_every": 100, "eval_batches": 8, "seed": 0}
+LR, WARMUP, H = 3e-3, 50, 50
+ROWS = ("data-parallel", "diloco", "streaming", "diloco-topk", "diloco-muon", "data-parallel-muon")
+LABELS = {
+    "data-parallel": "data-parallel (AdamW, fp32 all-reduce every step)",
+    "diloco": "DiLoCo, H = 50 (fp32 outer gradients)",
+    "streaming": "Streaming DiLoCo, H = 50, 2 fragments, τ = 1, E3M0",
+    "diloco-topk": "DiLoCo, H = 50, top-k 5% + error feedback",
+    "diloco-muon": "DiLoCo, H = 50, Muon inner",
+    "data-parallel-muon": "data-parallel (Muon, fp32 all-reduce every step)",
+}
+
+
+def warmup(steps: int) -> int:
+    """``WARMUP`` steps, or a quarter of a shorter run."""
+    return min(WARMUP, steps // 4)
+
+
+def schedule(steps: int, peak: float = LR):
+    """Linear warm-up to ``peak``, cosine decay to ``peak / 10`` at the last step."""
+    import optax
+
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup(steps), steps, end_value=peak / 10)
+
+
+def make_tx(row: str, steps: int):
+    """``axis_name -> transform`` for ``row``."""
+    import optax
+
+    import compjax as cj
+
+    sched = schedule(steps)
+
+    def build(ax):
+        adamw = optax.adamw(sched, weight_decay=0.1)
+        if row == "data-parallel":
+            return optax.chain(cj.identity(axis_name=ax), adamw)
+        if row == "diloco":
+            return cj.diloco(adamw, sync_every=H, axis_name=ax)
+        if row == "streaming":
+            return cj.diloco(adamw, sync_every=H, fragments=2, overlap=1, alpha=0.5,
+                             outer=optax.sgd(0.4, momentum=0.9, nesterov=True),
+                             compressor=cj.e3m0(error_feedback=False, skip_nonfinite=False, axis_name=ax),
+                             axis_name=ax)
+        if row == "diloco-topk":
+            return cj.diloco(adamw, sync_every=H, compressor=cj.topk(0.05, skip_nonfinite=False, axis_name=ax),
+                             axis_name=ax)
+        muon = optax.contrib.muon(schedule(steps, 0.02), adam_learning_rate=sched)
+        if row == "diloco-muon":
+            return cj.diloco(muon, sync_every=H, axis_name=ax)
+        if row == "data-parallel-muon":
+            return optax.chain(cj.identity(axis_name=ax), muon)
+        raise ValueError(f"row must be one of {ROWS}, got {row!r}")
+
+    return build
+
+
+def run(row: str, settings: dict | None = None) -> dict:
+    from experiments.lm.train import train
+
+    settings = SETTINGS if settings is None else settings
+    res = train(make_tx(row, settings["steps"]), log=print, **settings)
+    res["row"] = row
+    return res
+
+
+#: The synchronous run each row is compared with (same inner optimizer).
+REFERENCE = {"diloco-muon": "data-parallel-muon", "data-parallel-muon": "data-parallel-muon"}
+
+
+def summarize(results: dict[str, dict]) -> list[dict]:
+    """One dict per row: final losses, the loss vs the row's data-parallel reference (%), bytes and their ratio."""
+    rows = []
+    for row in ROWS:
+        if row not in results:
+            continue
+        r = results[row]
+        ref = results.get(REFERENCE.get(row, "data-parallel"))
+        ref_loss = ref["val_loss_mean"][-1] if ref else None
+        ref_bytes = ref["total_bytes"] if ref else None
+        rows.append({
+            "row": row, "label": LABELS[row], "reference": REFERENCE.get(row, "data-parallel"),
+            "val_loss_mean": r["val_loss_mean"][-1], "val_loss_worker0": r["val_loss_worker0"][-1],
+            "vs_dp_pct": 100 * (r["val_loss_mean"][-1] / ref_loss - 1) if ref_loss else None,
+            "total_bytes": r["total_bytes"], "peak_bytes": r["peak_bytes"],
+            "bytes_ratio": ref_bytes / r["total_bytes"] if ref_bytes and r["total_bytes"] else None,
+            "syncing_steps": sum(1 for b in r["payload_bytes"] if b), "steps": r["config"]["steps"],
+            "wall_s": r["wall_s"],
+        })
+    return rows
+
+
+def table(rows: list[dict], settings: dict | None = None) -> str:
+    settings = SETTINGS if settings is None else settings
+    head = (f"Tiny Shakespeare, character-level transformer ({settings['model_config']} config), "
+            f"{settings['workers']} workers × {settings['batch_per_worker']} windows of {settings['seq_len']} "
+            f"characters, {settings['steps']} steps, AdamW lr {LR:g} (warm-up {WARMUP}, cosine to {LR / 10:g}), "
+            f"weight decay 0.1. Validation loss in nats per character on the last 10% of the text; bytes are "
+            f"what one worker put into collectives (`cj.payload_bytes`, read every step).\n\n")
+    lines = [("| run | val loss (mean of workers) | val loss (worker 0) | vs data-parallel (same inner optimizer) | "
+              "total bytes/worker | fewer bytes than DP | peak bytes in one step | steps with a collective | wall (s) |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['bytes_ratio']:,.0f}×" if r["bytes_ratio"] else "—"
+        vs = f"{r['vs_dp_pct']:+.2f}%" if r["vs_dp_pct"] is not None else "—"
+        lines.append(f"| {r['label']} | {r['val_loss_mean']:.4f} | {r['val_loss_worker0']:.4f} | {vs} | "
+                     f"{r['total_bytes']:,} | {ratio} | {r['peak_bytes']:,} | {r['syncing_steps']} | "
+                     f"{r['wall_s']:.0f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in ROWS:
+        if row not in results:
+            continue
+        r = results[row]
+        a.plot(r["eval_step"], r["val_loss_mean"], marker="o", label=LABELS[row])
+        cum = np.cumsum([0] + r["payload_bytes"])
+        b.plot([max(cum[s], 1) for s in r["eval_step"]], r["val_loss_mean"], marker="o", label=LABELS[row])
+    a.set_xlabel("step")
+    a.set_ylabel("validation loss (nats/char, mean of workers)")
+    b.set_xscale("log")
+    b.set_xlabel("bytes sent per worker so far")
+    a.legend(fontsize=7)
+    a.set_title("loss vs step")
+    b.set_title("loss vs bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="which runs (default: all)")
+    p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from the records")
+    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
+    args = p.parse_args(argv)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for row in ROWS:
+        path = RUNS / f"{row}.json"
+        if row in args.rows and not args.report_only:
+            print(f"== {LABELS[row]}")
+            res = run(row)
+            path.write_text(json.dumps(res) + "\n")
+        if path.exists():
+            results[row] = json.loads(path.read_text())
+    rows = summarize(results)
+    text = table(rows)
+    (OUT / f"{NAME}.md").write_text(f"<!-- generated by: python -m experiments.reproduce.diloco -->\n{text}")
+    (OUT / f"{NAME}.json").write_text(json.dumps({"settings": SETTINGS, "sync_every": H, "rows": rows}, indent=1)
+                                      + "\n")
+    plot(results, OUT / f"{NAME}.png")
+    print(text)
+    if args.readme:
+        from experiments.results_table import update_readme
+
+        update_readme(args.readme, text, NAME)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
