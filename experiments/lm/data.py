@@ -39,7 +39,7 @@ import numpy as np
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 ENV_VAR = "COMPJAX_TINYSHAKESPEARE"
-#: ``shared/data/tinyshakespeare.txt`` beside the repository checkout (``<repo>/../shared/data``).
+#: ``shared/data/tinyshakespeare.txt`` in the folder that holds the repository checkout (offline tests and CI).
 SHARED_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 #: The download cache (``$COMPJAX_DATA``, default ``~/.cache/compjax``, as the Fashion-MNIST loader).
 CACHE_PATH = Path(os.environ.get("COMPJAX_DATA", Path.home() / ".cache" / "compjax")) / "tinyshakespeare.txt"

@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from experiments import train  # first: it asks for 8 simulated CPU devices before JAX starts
+from experiments.reproduce.dgc import read_records
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results" / "reproduce"
@@ -60,18 +61,6 @@ def run_args(config, delay: int) -> list[str]:
             "--batch-size", str(config.batch_size), "--lr", str(config.lr), "--momentum", str(config.momentum),
             "--warmup-steps", str(config.warmup_steps)]
     return argv + ([] if config.skip_nonfinite else ["--no-skip-nonfinite"])
-
-
-def read_summary(path: Path) -> tuple[list[dict], dict | None]:
-    """The epoch records and the summary line of one JSONL record."""
-    epochs, summary = [], None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "epoch":
-            epochs.append(rec)
-        elif rec["kind"] == "summary":
-            summary = rec
-    return epochs, summary
 
 
 def audited_and_compute(config, delay: int, workers: int = WORKERS):
@@ -187,7 +176,7 @@ def main(argv=None) -> list[dict]:
         path = record_dir / f"delay{d}.jsonl"
         if not path.exists():
             continue
-        epochs, summary = read_summary(path)
+        epochs, summary = read_records(path)
         if summary is None:
             continue
         audits[d], c = audited_and_compute(config, d)
