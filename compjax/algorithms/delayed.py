@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import bytecount, collectives
+from compjax import collectives
 from compjax._checks import check_range
 from compjax.collectives import AxisName
 from compjax.compressors import base
@@ -135,10 +135,7 @@ def delayed_averaging(
             return collectives.match_varying((means, st), (old, fields["inner"]))
 
         def wait(_):
-            st = fields["inner"]
-            if hasattr(st, "payload_bytes"):
-                st = st._replace(payload_bytes=collectives.like_varying(bytecount.zeros(), st.payload_bytes))
-            return [jnp.zeros_like(o) for o in old], st
+            return [jnp.zeros_like(o) for o in old], base.silenced(fields["inner"])
 
         means, st = jax.lax.cond(ctx.count >= delay, send, wait, None)
         out = [g - o.astype(g.dtype) + m.astype(g.dtype) for g, o, m in zip(ps, old, means)]

@@ -12,7 +12,7 @@ import optax
 from compjax import bytecount, collectives
 from compjax._checks import check_range
 from compjax.collectives import AxisName
-from compjax.compressors.base import is_compressible
+from compjax.compressors.base import is_compressible, silenced
 from compjax.compressors.identity import identity
 
 
@@ -265,11 +265,19 @@ def diloco(
         step, outer_state = outer_tx.update([m.astype(a.dtype) for m, a in zip(mean, anchor)], outer_state, anchor)
         return optax.apply_updates(list(anchor), step), outer_state, comm_state
 
-    def silent(comm_state):
-        if hasattr(comm_state, "payload_bytes"):
-            return comm_state._replace(payload_bytes=collectives.like_varying(bytecount.zeros(),
-                                                                              comm_state.payload_bytes))
-        return comm_state
+    def fragment_sync(due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix):
+        """One fragment's ``lax.cond``: exchange ``sent`` and move the global and local parameters, or wait."""
+
+        def sync(_):
+            new, o_st, c_st = exchange(sent, anchor, outer_state, comm_state)
+            merged = new if mix is None else [mix * x + (1 - mix) * n for x, n in zip(local, new)]
+            ups = [(m - p_leaves[i].astype(m.dtype)).astype(u_leaves[i].dtype) for m, i in zip(merged, idx)]
+            return collectives.match_varying((ups, new, o_st, c_st), (own, anchor, outer_state, comm_state))
+
+        def wait(_):
+            return own, anchor, outer_state, silenced(comm_state)
+
+        return jax.lax.cond(due, sync, wait, None)
 
     def update_fn(grads, state, params=None, **extra_args):
         if params is None:
@@ -296,40 +304,21 @@ def diloco(
             anchor, outer_state, comm_state = state.anchor[p], state.outer[p], state.comm[p]
             local = [p_leaves[i].astype(a.dtype) + u_leaves[i].astype(a.dtype) for i, a in zip(idx, anchor)]
             own = [u_leaves[i] for i in idx]
-            if tau == 0:
+            if tau == 0:  # Δ of this step, exchanged now; the workers take the new global values
                 due = (s - offsets[p]) % H == 0
-
-                def sync(_, anchor=anchor, local=local, outer_state=outer_state, comm_state=comm_state, idx=idx, own=own):
-                    delta = [a - x for a, x in zip(anchor, local)]
-                    new, o_st, c_st = exchange(delta, anchor, outer_state, comm_state)
-                    ups = [(n - p_leaves[i].astype(n.dtype)).astype(u_leaves[i].dtype) for n, i in zip(new, idx)]
-                    return collectives.match_varying((ups, new, o_st, c_st), (own, anchor, outer_state, comm_state))
-
-                def wait(_, anchor=anchor, outer_state=outer_state, comm_state=comm_state, own=own):
-                    return own, anchor, outer_state, silent(comm_state)
-
-                ups, anchor, outer_state, comm_state = jax.lax.cond(due, sync, wait, None)
-                pending = None
-            else:
-                start = (s - offsets[p]) % H == 0
+                sent, mix = [a - x for a, x in zip(anchor, local)], None
+            else:  # Δ stored tau steps ago, exchanged now; merged with weight alpha on the local side
                 due = (s - tau >= 1) & ((s - tau - offsets[p]) % H == 0)
-                stored = state.pending[p]
-
-                def merge(_, anchor=anchor, local=local, outer_state=outer_state, comm_state=comm_state, idx=idx,
-                          stored=stored, own=own):
-                    new, o_st, c_st = exchange(stored, anchor, outer_state, comm_state)
-                    merged = [alpha * x + (1 - alpha) * n for x, n in zip(local, new)]
-                    ups = [(m - p_leaves[i].astype(m.dtype)).astype(u_leaves[i].dtype) for m, i in zip(merged, idx)]
-                    return collectives.match_varying((ups, new, o_st, c_st), (own, anchor, outer_state, comm_state))
-
-                def wait(_, anchor=anchor, outer_state=outer_state, comm_state=comm_state, own=own):
-                    return own, anchor, outer_state, silent(comm_state)
-
-                ups, new_anchor, outer_state, comm_state = jax.lax.cond(due, merge, wait, None)
-                # A new synchronization starts after this step: keep its outer gradient (Δ from the
-                # anchor before any merge of this step; start and merge never fall on one step, τ < H).
-                pending = [jnp.where(start, a - x, old) for a, x, old in zip(anchor, local, stored)]
-                anchor = new_anchor
+                sent, mix = state.pending[p], alpha
+            ups, new_anchor, outer_state, comm_state = fragment_sync(
+                due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix)
+            pending = None
+            if tau:
+                # A new synchronization starts after this step: keep its outer gradient (Δ from the anchor
+                # before any merge of this step; a start and a merge never fall on one step, tau < H).
+                start = (s - offsets[p]) % H == 0
+                pending = [jnp.where(start, a - x, old) for a, x, old in zip(anchor, local, state.pending[p])]
+            anchor = new_anchor
             for i, up in zip(idx, ups):
                 u_leaves[i] = up
             anchors.append(anchor)

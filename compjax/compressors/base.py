@@ -46,7 +46,7 @@ from compjax._checks import check_same_tree
 from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
 
-__all__ = ["COMMON_FIELDS", "Context", "Exchanged", "compressor", "is_compressible"]
+__all__ = ["COMMON_FIELDS", "Context", "Exchanged", "compressor", "is_compressible", "silenced"]
 
 #: The fields every compressor state ends with.
 COMMON_FIELDS = ("count", "skipped", "payload_bytes")
@@ -94,6 +94,19 @@ def is_compressible(x) -> bool:
     """Whether a leaf goes through the exchange: a floating dtype and at least one element."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and int(x.size) > 0
+
+
+def silenced(state: Any) -> Any:
+    """``state`` with its ``payload_bytes`` set to 0, for a step in which the compressor was not called.
+
+    Methods that call a compressor only on some steps (in one branch of a
+    ``lax.cond``) keep its state in the other branch through this, so that
+    :func:`compjax.payload_bytes` counts only what the step really sent.  A
+    state without a byte counter is returned unchanged.
+    """
+    if not hasattr(state, "payload_bytes"):
+        return state
+    return state._replace(payload_bytes=collectives.like_varying(bytecount.zeros(), state.payload_bytes))
 
 
 def _pick(tree: Any, sel: Sequence[int]) -> list:
