@@ -1,14 +1,29 @@
 """CIFAR-10 (Krizhevsky 2009), read from the **binary version** with checks; never the pickled one.
 
-Where the files come from, in order: an explicit ``root`` (a directory holding
-the extracted ``cifar-10-batches-bin/`` folder, the six ``.bin`` files
-directly, or the tarball ``cifar-10-binary.tar.gz``); else the cache directory
-``$COMPJAX_DATA/cifar-10`` (default ``~/.cache/compjax/cifar-10``), downloading
-the canonical tarball into it when ``download=True``.  Extracted files are
-preferred over the tarball.  The tarball's MD5 is checked whenever it is read
-(its members are read in memory with :mod:`tarfile`, nothing is extracted to
-disk); extracted ``.bin`` files are checked by size.  Every label is checked to
-be < 10.
+Where the files come from, in order:
+
+1. an explicit ``root`` (the main job's ``--data-dir``), when given: only it is
+   searched, and the tarball is downloaded into it when it holds nothing;
+2. the cache :data:`CACHE_DIR` (``$COMPJAX_DATA/cifar-10``, default
+   ``~/.cache/compjax/cifar-10``);
+3. otherwise the canonical tarball :data:`URL` (about 163 MiB) is downloaded
+   into the cache.
+
+In a folder, the extracted ``cifar-10-batches-bin/`` folder or the six ``.bin``
+files directly are preferred over the tarball ``cifar-10-binary.tar.gz``.
+Downloading is on by default (``download=True``); ``download=False`` forbids
+it.  A download is written atomically: to a ``.part`` temp file, its MD5
+checked against :data:`ARCHIVE_MD5`, then renamed into place, so a failed or
+bad download leaves no file behind.  The tarball's MD5 is checked whenever it
+is read (its members are read in memory with :mod:`tarfile`, nothing is
+extracted to disk); extracted ``.bin`` files are checked by size.  Every label
+is checked to be < 10.
+
+Errors: :class:`~experiments.data.ChecksumError` (a ``ValueError``) for a
+tarball with the wrong MD5 (a download: the URL and both digests; a file on
+disk: its path, both digests and the advice to delete it);
+:class:`~experiments.data.DataUnavailable` (a ``FileNotFoundError`` with a
+one-line message) when the dataset is nowhere and could not be downloaded.
 
 Each ``.bin`` file is 10000 records of 3073 bytes: one label byte, then the
 32x32 image as 1024 red, 1024 green and 1024 blue bytes, each plane row-major.
@@ -20,17 +35,14 @@ References:
 
 from __future__ import annotations
 
-import hashlib
-import os
 import tarfile
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-from experiments.data import ChecksumError
+from experiments.data import CACHE_ROOT, ChecksumError, DataUnavailable, fetch, file_digest
 
-CACHE_DIR = Path(os.environ.get("COMPJAX_DATA", Path.home() / ".cache" / "compjax")) / "cifar-10"
+CACHE_DIR = CACHE_ROOT / "cifar-10"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 ARCHIVE = "cifar-10-binary.tar.gz"
 #: MD5 of the canonical tarball (as published on the dataset's page).
@@ -74,14 +86,6 @@ def parse_batch(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def _md5_file(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_size(where: str, raw: bytes, verify: bool) -> None:
     if verify and len(raw) != FILE_BYTES:
         raise ValueError(
@@ -99,11 +103,16 @@ def _read_bins(folder: Path, verify: bool) -> dict[str, bytes]:
     return out
 
 
+def _check_md5(path: Path, where: str, hint: str = "") -> None:
+    got = file_digest(path, "md5")
+    if got != ARCHIVE_MD5:
+        raise ChecksumError(f"{where}: MD5 is {got}, expected {ARCHIVE_MD5} (the tarball {URL}){hint}")
+
+
 def _read_archive(path: Path, verify: bool) -> dict[str, bytes]:
     if verify:
-        got = _md5_file(path)
-        if got != ARCHIVE_MD5:
-            raise ChecksumError(f"{path}: MD5 is {got}, expected {ARCHIVE_MD5} (the tarball {URL})")
+        _check_md5(path, str(path), "; the file is corrupt, truncated or not the canonical one: "
+                                    "delete it and rerun to download it again")
     wanted = {f"{FOLDER}/{name}": name for name in TRAIN_FILES + TEST_FILES}
     out = {}
     with tarfile.open(path, "r:gz") as tar:
@@ -124,42 +133,34 @@ def _has_bins(folder: Path) -> bool:
 
 
 def _read_raw(root: Path | None, download: bool, verify: bool) -> dict[str, bytes]:
-    dirs = [Path(root)] if root is not None else [CACHE_DIR]
-    for d in dirs:
-        for folder in (d / FOLDER, d):
-            if _has_bins(folder):
-                return _read_bins(folder, verify)
-        if (d / ARCHIVE).is_file():
-            return _read_archive(d / ARCHIVE, verify)
-    if root is None and download:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        dest = CACHE_DIR / ARCHIVE
-        part = dest.with_name(dest.name + ".part")
-        urllib.request.urlretrieve(URL, part)
-        part.replace(dest)
-        return _read_archive(dest, verify)
-    how = (
-        f"download {URL} into {root}" if root is not None
-        else f"pass download=True to fetch {URL} into {CACHE_DIR}, or put the tarball there"
-    )
-    raise FileNotFoundError(
-        f"CIFAR-10 (binary version) not found in {[str(d) for d in dirs]}: looked for {FOLDER}/, "
-        f"the .bin files {list(TRAIN_FILES + TEST_FILES)} and {ARCHIVE}; {how}"
-    )
+    d = Path(root) if root is not None else CACHE_DIR
+    for folder in (d / FOLDER, d):
+        if _has_bins(folder):
+            return _read_bins(folder, verify)
+    if (d / ARCHIVE).is_file():
+        return _read_archive(d / ARCHIVE, verify)
+    what = f"CIFAR-10 (binary version: {ARCHIVE}, or its {FOLDER}/ with data_batch_1..5.bin and test_batch.bin)"
+    hints = ([f"pass --data-dir DIR holding {ARCHIVE} or its extracted {FOLDER}/"] if root is None
+             else [f"put {ARCHIVE} or its extracted {FOLDER}/ into {root}"])
+    if not download:
+        raise DataUnavailable(what, [d], None, hints, URL)
+    return _read_archive(fetch(URL, d / ARCHIVE, _check_md5, what=what, looked=[d], hints=hints), verify)
 
 
-def load_cifar10(root: Path | None = None, *, download: bool = False, verify: bool = True):
+def load_cifar10(root: Path | None = None, *, download: bool = True, verify: bool = True):
     """CIFAR-10 as float32 NHWC images in [0, 1] and int32 labels.
 
     Args:
       root: a directory holding ``cifar-10-batches-bin/``, the six ``.bin``
-        files, or ``cifar-10-binary.tar.gz``; only it is searched.  Default:
-        the cache directory :data:`CACHE_DIR`.
-      download: with ``root`` None and nothing in the cache, download the
-        canonical tarball (:data:`URL`, about 163 MiB) into :data:`CACHE_DIR`.
+        files, or ``cifar-10-binary.tar.gz`` (``--data-dir``); only it is
+        searched, and the tarball is downloaded into it when it holds none of
+        them.  Default: the cache directory :data:`CACHE_DIR`.
+      download: when the dataset is not found, download the canonical tarball
+        (:data:`URL`, about 163 MiB; the default); False raises
+        :class:`~experiments.data.DataUnavailable` instead.
       verify: check the tarball's MD5 (:data:`ARCHIVE_MD5`) when the tarball is
-        read, and each ``.bin`` file's size (:data:`FILE_BYTES`).  Labels are
-        always checked to be < 10.
+        read, and each ``.bin`` file's size (:data:`FILE_BYTES`).  A download's
+        MD5 is always checked; labels are always checked to be < 10.
 
     Returns:
       ``(x_train float32 (50000, 32, 32, 3), y_train int32 (50000,),
@@ -167,11 +168,14 @@ def load_cifar10(root: Path | None = None, *, download: bool = False, verify: bo
       R, G, B; training records in the order of ``data_batch_1.bin`` ... ``_5``.
 
     Raises:
-      ChecksumError: the tarball's MD5 differs from :data:`ARCHIVE_MD5`.
+      ChecksumError: (a ``ValueError``) the tarball's or the download's MD5
+        differs from :data:`ARCHIVE_MD5`; a bad download leaves no file, a
+        bad tarball on disk is left as it is (the message says to delete it).
       ValueError: a ``.bin`` file has the wrong size, a length that is not a
         multiple of 3073, or a label >= 10; the tarball lacks a batch file.
-      FileNotFoundError: the dataset is nowhere and ``download`` is False (the
-        message gives the URL).
+      DataUnavailable: (a ``FileNotFoundError``) the dataset is nowhere and
+        could not be downloaded, or ``download`` is False; a one-line message
+        with the URL, the reason and what to do.
     """
     raw = _read_raw(root, download, verify)
 

@@ -1,42 +1,53 @@
 """The main job: data-parallel training of a Flax NNX CNN on Fashion-MNIST with a chosen compressor.
 
     python -m experiments.train [--compressor NAME] [options]
+    python -m experiments.train --config experiments/configs/main_job.py --config.compressor.name=topk \
+        --config.compressor.ratio=0.01
     python -m experiments.train --dataset cifar10 --model resnet20 --augment ...   (for accelerators)
+
+The run is described by an ``ml_collections`` config (default
+``experiments/configs/main_job.py``; ``--config FILE`` for your own): every key
+can be overridden with ``--config.KEY=VALUE``, and the short flags below set
+the same keys (``--ratio 0.01`` is ``--config.compressor.ratio=0.01``).  The
+config is checked before JAX or any data loads: a bad value exits at once with
+one line naming the flag and the allowed range.
 
 Runs on every available device (8 simulated CPU workers when there is no
 accelerator).  Prints per-epoch test accuracy, payload bytes per step per worker
 and the compression ratio against the dense baseline (4 bytes x parameters),
-both measured from the compressor state; writes a JSONL record (one line per
-epoch, then a summary line) to ``--out``.
+both measured from the compressor state.  Records: one JSONL file per run under
+``runs/train/`` (git-ignored; ``--out`` to choose), named from the compressor,
+a hash of the config and the start time, one line per epoch and a summary line
+written only when the run finishes; the summary holds the full config, the
+command, the git commit, the versions of Python, JAX, Flax, optax and compjax,
+and the devices.
 
 Non-finite gradients: the whole chain (compressor + SGD) is wrapped in
 ``cj.apply_if_finite``, so when any worker's gradient holds a NaN or an
 infinity all workers skip the step together, momentum and learning-rate
 schedule included: a skipped step is a step that never happened.  Each one is
 printed and listed (``skipped_steps``, counted from 0) in the epoch lines and
-the summary.  The compressor's own guard (``skip_nonfinite``) is off: under
-the wrapper it would only add a redundant vote.  ``--no-skip-nonfinite`` turns
-the wrapper off as well.  ``--poison-step N`` puts a NaN into one worker's
-batch at step N; ``--skip-batch N`` drops step N's batch instead, the reference
-run the poisoned one should match exactly.
+the summary.  ``--no-skip-nonfinite`` turns the wrapper off.
+``--poison-step N`` puts a NaN into one worker's batch at step N;
+``--skip-batch N`` drops step N's batch instead, the reference run the
+poisoned one should match exactly.
 
 Checkpoints and resuming: ``--checkpoint-dir DIR`` saves the whole training
-state (parameters, optimizer state with every compressor's worker-local state,
-the data order and the NumPy generator's state, counters) every
-``--checkpoint-every`` steps and at the end of each epoch, with orbax
-(:class:`compjax.checkpoint.Checkpointer`); a run started with a DIR that holds
-a checkpoint resumes from the latest one and ends bit-identical to a run that
-never stopped.  ``--stop-after N`` stops after N steps, as a preempted job
-would (a checkpoint is written there).
+state every ``--checkpoint-every`` steps and at the end of each epoch (orbax,
+:class:`compjax.checkpoint.Checkpointer`); a run started with a DIR that holds a
+checkpoint resumes from the latest one and ends bit-identical to a run that
+never stopped.  ``--stop-after N`` stops after N steps, as a preempted job would.
 
 Across processes and hosts: ``--num-processes P --process-id I
 --coordinator-address HOST:PORT`` (or the ``JAX_*`` environment variables, or
 JAX's cluster detection with ``--distributed``) runs the job as one of P
-processes through ``jax.distributed``; every process loads the data and runs
-the same loop, process 0 writes the records.  ``python -m experiments.launch``
-starts P local processes.  ``--mesh SLOWxFAST`` builds a 2-D mesh: gradients
-averaged densely over the fast axis (inside a host), compressed over the slow
-axis only.
+processes through ``jax.distributed``; process 0 writes the records.
+``python -m experiments.launch`` starts P local processes.  ``--mesh SLOWxFAST``
+builds a 2-D mesh: gradients averaged densely over the fast axis (inside a
+host), compressed over the slow axis only.
+
+On CPU the loop blocks on every step (``jax.block_until_ready``): with several
+steps in flight, XLA:CPU's in-process collectives can deadlock and abort.
 """
 
 from __future__ import annotations
@@ -51,87 +62,198 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
                                " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
 import argparse
-import hashlib
-import json
-import time
-from contextlib import ExitStack
+import shlex
 from pathlib import Path
 
-import jax
-import numpy as np
-import optax
-from tqdm import tqdm
+import ml_collections
 
-import compjax as cj
-from compjax import bytecount, parallel
-from compjax.checkpoint import Checkpointer
-from experiments import cifar10, compressors, data, distributed, models
+from experiments import compressors, config_cli
 
-AXIS = "data"  # the compressed axis (the slow axis of a 2-D mesh)
-FAST = "fast"  # the fast axis of a 2-D mesh (--mesh), averaged densely
-#: dataset name -> loader ``(root, download=) -> (x_train, y_train, x_test, y_test)``.
-DATASETS = {"fashion_mnist": data.load_fashion_mnist, "cifar10": cifar10.load_cifar10}
-RESULTS = Path(__file__).resolve().parent / "results" / "runs"
+PROG = "python -m experiments.train"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "main_job.py"
+#: dataset -> image shape (height, width, channels); model -> the image shape it takes.
+DATASET_SHAPES = {"fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
+MODEL_SHAPES = {"cnn": (28, 28, 1), "resnet20": (32, 32, 3)}
+#: Short flags: (flag, config key, type (None: a switch that sets True; "off": a switch that sets False), help).
+SHORTCUTS = (
+    ("--epochs", "epochs", int, "epochs over the training set"),
+    ("--batch-size", "batch_size", int, "global batch, split over the workers"),
+    ("--lr", "lr", float, "peak SGD learning rate (linear warm-up, then cosine decay to 0)"),
+    ("--warmup-steps", "warmup_steps", int, "steps of linear learning-rate warm-up"),
+    ("--momentum", "momentum", float, "momentum of the SGD after the compressor (DGC applies it inside)"),
+    ("--weight-decay", "weight_decay", float, "L2 weight decay, added to the gradients"),
+    ("--lr-before-compressor", "lr_before_compressor", None,
+     "scale each worker's gradient by the learning rate before the compressor (Lin et al. 2018, Alg. 1)"),
+    ("--dataset", "dataset", str, "fashion_mnist or cifar10"),
+    ("--model", "model", str, "cnn (28x28x1 images) or resnet20 (32x32x3)"),
+    ("--augment", "augment", None, "random crop (pad 4) and horizontal flip (CIFAR-10)"),
+    ("--seed", "seed", int, "seed of the model's initialization and the data order"),
+    ("--workers", "workers", int, "data-parallel workers (off: every device)"),
+    ("--mesh", "mesh", str, ("SLOWxFAST, e.g. 2x4: averaged densely over FAST (inside a host), compressed "
+                             "over SLOW (between hosts)")),
+    ("--max-steps", "max_steps", int, "stop after this many steps"),
+    ("--train-limit", "train_limit", int, "use only the first N training images"),
+    ("--no-skip-nonfinite", "skip_nonfinite", "off",
+     ("turn off the non-finite guard that skips the whole step on every worker when any worker's gradient has "
+      "a NaN or an infinity")),
+    ("--poison-step", "poison_step", int, ("set one input value of a worker's shard of step N's batch to NaN "
+                                           "(steps counted from 0, across epochs)")),
+    ("--poison-worker", "poison_worker", int, ("the worker whose shard --poison-step poisons, in [0, workers) "
+                                               "(off: 0)")),
+    ("--skip-batch", "skip_batch", int, ("drop step N's batch (counted from 0): the reference a --poison-step N "
+                                         "run should match")),
+)
+#: config key -> allowed values, checked before anything loads (compressor options: compressors.Option).
+RANGES = {
+    "epochs": compressors.Range(1, integer=True),
+    "batch_size": compressors.Range(1, integer=True),
+    "lr": compressors.Range(0, lo_open=True),
+    "warmup_steps": compressors.Range(0, integer=True),
+    "momentum": compressors.Range(0, 1, hi_open=True),
+    "weight_decay": compressors.Range(0),
+    "seed": compressors.Range(0, 2**32, hi_open=True, integer=True),
+    "workers": compressors.Range(1, integer=True),
+    "max_steps": compressors.Range(1, integer=True),
+    "train_limit": compressors.Range(1, integer=True),
+}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    compressors.add_arguments(p)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the workers")
-    p.add_argument("--lr", type=float, default=0.05, help="peak SGD learning rate (cosine decay)")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (see transform())")
-    p.add_argument("--dataset", default="fashion_mnist", choices=sorted(DATASETS))
-    p.add_argument("--model", default="cnn", choices=sorted(models.MODELS))
-    p.add_argument("--augment", action="store_true", help="random crop (pad 4) and horizontal flip (CIFAR-10)")
-    p.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up")
-    p.add_argument("--lr-before-compressor", action="store_true",
-                   help="scale local gradients by the learning rate before the compressor (see transform())")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=None, help="default: every device")
-    p.add_argument("--max-steps", type=int, default=None, help="stop early (smoke tests)")
-    p.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
-    p.add_argument("--data-dir", type=Path, default=None, help="directory of the IDX files")
-    p.add_argument("--download", action="store_true", help="download the canonical files if missing")
-    p.add_argument("--out", type=Path, default=None, help="JSONL file (default results/runs/<compressor>.jsonl)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-skip-nonfinite", action="store_true",
-                   help="turn off the non-finite guard: the cj.apply_if_finite wrapper that skips the "
-                        "whole step on every worker when any worker's gradient has a NaN/inf (a non-finite "
-                        "gradient then reaches the parameters)")
-    p.add_argument("--poison-step", type=int, default=None, metavar="N",
-                   help="set one input value of worker --poison-worker's shard of step N's batch to NaN; "
-                        "steps are counted from 0 (0 is the first step), one per batch taken, across epochs")
-    p.add_argument("--poison-worker", type=int, default=None, metavar="W",
-                   help="the worker whose shard --poison-step poisons, in [0, workers) (default 0); worker "
-                        "W holds rows [W*b, (W+1)*b) of the global batch, b = batch size / workers")
-    p.add_argument("--skip-batch", type=int, default=None, metavar="N",
-                   help="drop step N's batch (counted from 0, like --poison-step): no step is run for it "
-                        "and the run goes on with the next batch, so it runs one step fewer (the "
-                        "learning-rate schedule keeps the full run's length); the reference that a "
-                        "--poison-step N run should match")
-    g = p.add_argument_group("checkpoints and multi-process runs")
-    g.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+def _default(key: str):
+    value = config_cli.get(default_config(), key)
+    return "off" if value is None else value
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The main job's default config (``experiments/configs/main_job.py``)."""
+    from experiments.configs import main_job
+
+    return main_job.get_config()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: short flags for the config's keys, then the options of the run itself."""
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/main_job.py); "
+                   "then --config.KEY=VALUE overrides any key, e.g. --config.compressor.ratio=0.01")
+    g = p.add_argument_group("the experiment (each sets a key of the config)")
+    g.add_argument("--compressor", dest="compressor.name", default=argparse.SUPPRESS, metavar="NAME",
+                   help=f"one of {', '.join(sorted(compressors.REGISTRY))} (default: identity)")
+    for flag, key, kind, text in SHORTCUTS:
+        help_ = f"{text} (default: {_default(key)})".replace("%", "%%")
+        if kind is None:
+            g.add_argument(flag, dest=key, action="store_const", const=True, default=argparse.SUPPRESS, help=help_)
+        elif kind == "off":
+            g.add_argument(flag, dest=key, action="store_const", const=False, default=argparse.SUPPRESS,
+                           help=text)
+        else:
+            g.add_argument(flag, dest=key, type=kind, default=argparse.SUPPRESS, metavar=key.upper(), help=help_)
+    c = p.add_argument_group("compressor options (each sets compressor.KEY; used by the compressors named)")
+    for key, opt in compressors.all_options().items():
+        users = [n for n, e in compressors.REGISTRY.items() if opt in e.options]
+        text = f"{opt.help} [{', '.join(users)}]".replace("%", "%%")
+        if opt.type is None:
+            c.add_argument(opt.flag, dest=f"compressor.{key}", action="store_const", const=True,
+                           default=argparse.SUPPRESS, help=text)
+        else:
+            c.add_argument(opt.flag, dest=f"compressor.{key}", type=opt.type, default=argparse.SUPPRESS,
+                           metavar=key.upper(), help=f"{text} (default: {'off' if opt.default is None else opt.default})")
+    r = p.add_argument_group("the run (not part of the config)")
+    r.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="JSONL records (default: runs/train/<compressor>-<config hash>-<start time>.jsonl)")
+    r.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="directory of the dataset's files (downloaded there if missing)")
+    r.add_argument("--no-download", action="store_true", help="never download the dataset")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    k = p.add_argument_group("checkpoints and multi-process runs")
+    k.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                    help="save checkpoints in DIR (orbax) and resume from the latest one found there")
-    g.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+    k.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="save every N steps (default: at the end of each epoch only)")
-    g.add_argument("--stop-after", type=int, default=None, metavar="N",
-                   help="stop after N steps as a preempted job would, saving a checkpoint there "
-                        "(the run's length, schedule included, stays that of the whole run)")
-    g.add_argument("--mesh", default=None, metavar="SLOWxFAST",
-                   help="2-D mesh, e.g. 2x4: gradients averaged densely over the fast axis (inside a host) "
-                        "and compressed over the slow axis (between hosts); SLOW*FAST workers")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="jax.distributed coordinator (process 0); default $JAX_COORDINATOR_ADDRESS")
-    g.add_argument("--num-processes", type=int, default=None, help="default $JAX_NUM_PROCESSES, else 1")
-    g.add_argument("--process-id", type=int, default=None, help="default $JAX_PROCESS_ID")
-    g.add_argument("--distributed", action="store_true",
+    k.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop after N steps as a preempted job would, saving a checkpoint there")
+    k.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="jax.distributed coordinator (process 0) (default: $JAX_COORDINATOR_ADDRESS)")
+    k.add_argument("--num-processes", type=int, default=None, help="(default: $JAX_NUM_PROCESSES, else 1)")
+    k.add_argument("--process-id", type=int, default=None, help="(default: $JAX_PROCESS_ID)")
+    k.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize even without the three flags above (cluster "
                         "auto-detection: SLURM, Cloud TPU, ...)")
-    g.add_argument("--heartbeat-timeout", type=int, default=20, metavar="S",
-                   help="seconds without a heartbeat before a process counts as lost")
-    return p.parse_args(argv)
+    k.add_argument("--heartbeat-timeout", type=int, default=20, metavar="S",
+                   help="seconds without a heartbeat before a process counts as lost (default: 20)")
+    return p
+
+
+def parse(argv=None) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
+    """``(config, options of the run)`` from the command line; one-line ``SystemExit`` on a malformed one."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_args, rest = config_cli.split_config_args(argv)
+    opts = build_parser().parse_args(rest)
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    for dest, value in vars(opts).items():
+        if dest == "compressor.name" or dest in {k for _, k, _, _ in SHORTCUTS} or dest.startswith("compressor."):
+            try:
+                config_cli.set_(config, dest, value)
+            except (TypeError, KeyError) as e:
+                raise SystemExit(f"{PROG}: {dest}={value!r}: {e}") from None
+    opts = argparse.Namespace(**{k: v for k, v in vars(opts).items() if "." not in k and not _is_shortcut(k)})
+    return config, opts
+
+
+def _is_shortcut(dest: str) -> bool:
+    return dest in {k for _, k, _, _ in SHORTCUTS}
+
+
+def _short(key: str) -> str | None:
+    """The short flag of a config key, if it has one."""
+    if key == "compressor.name":
+        return "--compressor"
+    if key.startswith("compressor."):
+        return compressors.all_options()[key.split(".", 1)[1]].flag
+    return next((f for f, k, _, _ in SHORTCUTS if k == key), None)
+
+
+def check(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> None:
+    """Everything about the run that can be checked without JAX or the data.
+
+    Raises:
+      SystemExit: one line naming the flag, its value and the allowed values.
+    """
+    def fail(key, value, what):
+        short = _short(key)
+        head = f"{short} {value}" if short else f"--config.{key}={value}"
+        raise SystemExit(f"{head}: {what}" + (f" (config key {key})" if short else ""))
+
+    for key, rng in RANGES.items():
+        value = config[key]
+        if value is not None and (err := rng.error(value)):
+            fail(key, value, err)
+    if config.dataset not in DATASET_SHAPES:
+        fail("dataset", config.dataset, f"must be one of {', '.join(DATASET_SHAPES)}")
+    if config.model not in MODEL_SHAPES:
+        fail("model", config.model, f"must be one of {', '.join(MODEL_SHAPES)}")
+    if MODEL_SHAPES[config.model] != DATASET_SHAPES[config.dataset]:
+        fits = [m for m, s in MODEL_SHAPES.items() if s == DATASET_SHAPES[config.dataset]]
+        fail("model", config.model, f"takes {'x'.join(map(str, MODEL_SHAPES[config.model]))} images but "
+             f"{config.dataset} has {'x'.join(map(str, DATASET_SHAPES[config.dataset]))}: use --model "
+             f"{' or '.join(fits)}")
+    for opt, err in compressors.check(config.compressor):
+        key = "compressor.name" if opt is None else f"compressor.{opt.key}"
+        fail(key, config_cli.get(config, key), err)
+    if config.train_limit is not None and config.train_limit < config.batch_size:
+        fail("train_limit", config.train_limit, f"must be at least the batch size ({config.batch_size}) for one step")
+    if config.mesh is not None:
+        parse_mesh(config.mesh)
+        if config.workers is not None:
+            raise SystemExit("--workers and --mesh both set the workers: give one (--mesh SLOWxFAST has SLOW*FAST)")
+    if config.workers is not None and config.batch_size % config.workers:
+        fail("batch_size", config.batch_size, f"must be divisible by the {config.workers} workers")
+    check_step_flags(config, config.workers)  # a mesh's workers are checked once the devices are known
+    for flag, value in (("--checkpoint-every", opts.checkpoint_every), ("--stop-after", opts.stop_after)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} {value}: must be >= 1 (steps)")
+    if opts.checkpoint_every is not None and opts.checkpoint_dir is None:
+        raise SystemExit("--checkpoint-every needs --checkpoint-dir (where to save)")
 
 
 def parse_mesh(text: str | None) -> tuple[int, int] | None:
@@ -144,26 +266,26 @@ def parse_mesh(text: str | None) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def count_steps(args, n_train: int) -> int:
-    """Steps of the run (batches taken) for ``n_train`` images: epochs x full batches, capped by --max-steps."""
-    steps = n_train // args.batch_size * args.epochs
-    return steps if args.max_steps is None else min(steps, args.max_steps)
+def count_steps(config, n_train: int) -> int:
+    """Steps of the run (batches taken) for ``n_train`` images: epochs x full batches, capped by max_steps."""
+    steps = n_train // config.batch_size * config.epochs
+    return steps if config.max_steps is None else min(steps, config.max_steps)
 
 
-def check_step_flags(args, workers: int, steps_total: int | None = None) -> None:
-    """Validate --poison-step, --poison-worker and --skip-batch; raise SystemExit with a one-line message.
+def check_step_flags(config, workers: int | None, steps_total: int | None = None) -> None:
+    """Validate poison_step, poison_worker and skip_batch; raise SystemExit with a one-line message.
 
     ``steps_total`` None (before loading the data): check against the bounds
-    known without the data (--max-steps, --train-limit); then call again with
-    the run's steps.
+    known without the data (max_steps, train_limit); then call again with the
+    run's steps.  ``workers`` None: not known yet (every device).
     """
     at_most = "at most " if steps_total is None else ""
     if steps_total is None:
-        bounds = [args.max_steps] if args.max_steps is not None else []
-        if args.train_limit:
-            bounds.append(count_steps(args, args.train_limit))
+        bounds = [config.max_steps] if config.max_steps is not None else []
+        if config.train_limit:
+            bounds.append(count_steps(config, config.train_limit))
         steps_total = min(bounds) if bounds else None
-    for flag, value in (("--poison-step", args.poison_step), ("--skip-batch", args.skip_batch)):
+    for flag, value in (("--poison-step", config.poison_step), ("--skip-batch", config.skip_batch)):
         if value is None:
             continue
         if value < 0:
@@ -171,319 +293,61 @@ def check_step_flags(args, workers: int, steps_total: int | None = None) -> None
         if steps_total is not None and value >= steps_total:
             raise SystemExit(f"{flag} {value}: this run has {at_most}{steps_total} steps, counted from 0, so "
                              f"it must be in [0, {steps_total})")
-    if args.poison_worker is not None:
-        if args.poison_step is None:
+    if config.poison_worker is not None:
+        if config.poison_step is None:
             raise SystemExit("--poison-worker needs --poison-step (the step whose batch it poisons)")
-        if not 0 <= args.poison_worker < workers:
-            raise SystemExit(f"--poison-worker {args.poison_worker} must be in [0, {workers}) (the workers)")
-    if args.poison_step is not None and args.poison_step == args.skip_batch:
-        raise SystemExit(f"--poison-step and --skip-batch both name step {args.skip_batch}: a dropped batch "
+        if config.poison_worker < 0 or (workers is not None and config.poison_worker >= workers):
+            raise SystemExit(f"--poison-worker {config.poison_worker} must be in [0, {workers or 'workers'}) "
+                             "(the workers)")
+    if config.poison_step is not None and config.poison_step == config.skip_batch:
+        raise SystemExit(f"--poison-step and --skip-batch both name step {config.skip_batch}: a dropped batch "
                          "cannot be poisoned")
 
 
-def lr_schedule(args, steps_total: int) -> optax.Schedule:
-    """Linear warm-up from 0 to ``--lr`` over ``--warmup-steps``, then cosine decay to 0 at the last step."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, min(args.warmup_steps, max(1, steps_total - 1)), max(steps_total, 2)
-    )
+def command(argv=None) -> str:
+    """The command line that started the run, to record with it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join([*PROG.split(), *argv])
 
 
-def momentum_after(args) -> float | None:
-    """The momentum of the optimizer after the compressor: none when the compressor carries it (DGC)."""
-    return None if compressors.momentum_inside(args.compressor) else args.momentum
+def run_config(config: ml_collections.ConfigDict, *, out: Path | None = None, progress: bool = False,
+               command: str = "", **run_options) -> dict:
+    """Check ``config`` and train it (what reproductions call: a list of configs, no command lines).
 
+    Args:
+      config: a main-job config (:func:`default_config` with keys changed).
+      out: the JSONL record file (default: a new file under ``runs/train/``).
+      progress: show the progress bar.
+      command: the command to record (e.g. the reproduction's).
+      **run_options: other options of the run (``data_dir``, ``checkpoint_dir``, ...: the dests of
+        :func:`build_parser`'s run options).
 
-def optimizer(args, steps_total: int) -> optax.GradientTransformation:
-    """SGD with :func:`lr_schedule` and :func:`momentum_after`."""
-    sgd = optax.sgd(lr_schedule(args, steps_total), momentum=momentum_after(args))
-    return optax.chain(optax.add_decayed_weights(args.weight_decay), sgd) if args.weight_decay else sgd
+    Returns:
+      The summary record.
 
-
-def transform(args, compressor: optax.GradientTransformation, steps_total: int) -> optax.GradientTransformation:
-    """The whole optax chain of a worker: local gradients in, parameter updates out.
-
-    Default: ``chain(compressor, [weight decay], sgd(schedule, momentum))``.  With
-    ``--lr-before-compressor`` the learning rate scales each worker's gradient
-    *before* the compressor, so error-feedback residuals and DGC's accumulation
-    hold ``lr``-weighted gradients (Lin et al. 2018, Algorithm 1; Aji & Heafield
-    2017): an entry sent late is applied with the learning rate of the steps that
-    produced it, not with the (decayed) rate of the step that sends it.  Then
-    ``chain([weight decay], scale_by_learning_rate, compressor, [trace(momentum)])``.
+    Raises:
+      SystemExit: one line, as on the command line.
     """
-    if not args.lr_before_compressor:
-        return optax.chain(compressor, optimizer(args, steps_total))
-    momentum = momentum_after(args)
-    decay = [optax.add_decayed_weights(args.weight_decay)] if args.weight_decay else []
-    after = [optax.trace(decay=momentum)] if momentum else []
-    return optax.chain(*decay, optax.scale_by_learning_rate(lr_schedule(args, steps_total)), compressor, *after)
+    opts = build_parser().parse_args([])
+    opts = argparse.Namespace(**{k: v for k, v in vars(opts).items() if "." not in k and not _is_shortcut(k)})
+    opts.out, opts.no_progress = out, not progress
+    for k, v in run_options.items():
+        if not hasattr(opts, k):
+            raise TypeError(f"run_config got an unknown run option {k!r}")
+        setattr(opts, k, v)
+    check(config, opts)
+    from experiments import trainer
 
-
-def guard(args, tx: optax.GradientTransformation, axis_name: str | None) -> optax.GradientTransformation:
-    """``tx`` wrapped in ``cj.apply_if_finite`` over ``axis_name`` (unless ``--no-skip-nonfinite``).
-
-    When any worker's gradient holds a NaN or an infinity, every worker skips
-    the whole step: no update, compressor state, momentum and the schedule's
-    count untouched (the compressor's own guard would only zero its output,
-    and the momentum after it would still move the parameters).
-    """
-    return tx if args.no_skip_nonfinite else cj.apply_if_finite(tx, axis_name=axis_name)
-
-
-def poison(x: np.ndarray, worker: int, workers: int) -> np.ndarray:
-    """A copy of the global batch ``x`` with the first value of ``worker``'s shard set to NaN."""
-    x = np.array(x, copy=True)
-    x.reshape(workers, -1)[worker, 0] = np.nan  # worker W holds rows [W*b, (W+1)*b)
-    return x
-
-
-def digest(tree) -> str:
-    """SHA-256 of a pytree's leaves (dtype, shape and bytes, in tree order): equal iff bitwise equal."""
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(tree):
-        a = np.asarray(leaf)
-        h.update(f"{a.dtype}{a.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
-
-
-#: Options that may differ between a run and its resumption (the rest must match the checkpoint's).
-RESUMABLE = ("checkpoint_every", "stop_after")
-
-
-def setup_processes(args) -> bool:
-    """Join a multi-process run when asked (flags, environment or --distributed); True if there are several."""
-    address, count, pid = distributed.settings(args.coordinator_address, args.num_processes, args.process_id)
-    if args.distributed or (count or 1) > 1:
-        try:
-            distributed.initialize(address, count, pid, heartbeat_timeout=args.heartbeat_timeout)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-    return jax.process_count() > 1
-
-
-def build_mesh(args):
-    """``(mesh, fast_axis, workers)`` from --mesh / --workers."""
-    shape = parse_mesh(args.mesh)
-    if shape is None:
-        mesh = parallel.make_mesh(args.workers, AXIS)
-        return mesh, None, mesh.shape[AXIS]
-    if args.workers is not None:
-        raise SystemExit("--workers and --mesh both set the workers: give one (--mesh SLOWxFAST has SLOW*FAST)")
-    try:
-        mesh = parallel.make_2d_mesh(*shape, slow_axis=AXIS, fast_axis=FAST)
-    except ValueError as e:
-        raise SystemExit(f"--mesh {args.mesh}: {e}") from None
-    return mesh, FAST, shape[0] * shape[1]
-
-
-def check_resume_flags(args) -> None:
-    """Validate --checkpoint-every and --stop-after (one-line SystemExit)."""
-    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--stop-after", args.stop_after)):
-        if value is not None and value < 1:
-            raise SystemExit(f"{flag} {value}: must be >= 1 (steps)")
-    if args.checkpoint_every is not None and args.checkpoint_dir is None:
-        raise SystemExit("--checkpoint-every needs --checkpoint-dir (where to save)")
+    return trainer.run(config, opts, command=command)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    check_resume_flags(args)
-    multi = setup_processes(args)
-    lead = jax.process_index() == 0  # the process that writes records and prints the epoch lines
-    t_start = time.time()
-    mesh, fast_axis, n = build_mesh(args)
-    if args.batch_size % n:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {n} workers")
-    check_step_flags(args, n)  # before loading the data: what is known without it
-    x_train, y_train, x_test, y_test = DATASETS[args.dataset](args.data_dir, download=args.download)
-    if args.train_limit:
-        x_train, y_train = x_train[: args.train_limit], y_train[: args.train_limit]
+    """Parse, check (before JAX loads), then train: :func:`experiments.trainer.run`. Returns the summary record."""
+    config, opts = parse(argv)
+    check(config, opts)
+    from experiments import trainer  # JAX, flax and the data only now
 
-    steps_per_epoch = len(x_train) // args.batch_size
-    steps_total = count_steps(args, len(x_train))  # batches taken; --skip-batch runs one step fewer
-    check_step_flags(args, n, steps_total)
-    skip_nonfinite = not args.no_skip_nonfinite
-    poison_worker = 0 if args.poison_worker is None else args.poison_worker
-
-    params, apply, loss_fn = models.build(args.seed, model=args.model)
-    num_params = sum(int(x.size) for x in jax.tree.leaves(params))
-    dense_bytes = 4 * num_params  # identity's float32 all-reduce payload
-    # Under the wrapper the chain never sees a non-finite gradient: the compressor's own vote (one more
-    # collective per step) would be redundant, so it is off either way.
-    compressor, comp_opts = compressors.build(args, AXIS, skip_nonfinite=False)
-    tx = guard(args, transform(args, compressor, steps_total), AXIS)
-
-    p = parallel.replicate(params, mesh, AXIS, fast_axis=fast_axis)
-    s = parallel.init_worker_state(tx, params, mesh, AXIS, fast_axis=fast_axis)
-    step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=fast_axis, donate=True)
-
-    config = {"compressor": args.compressor, "options": comp_opts, "dataset": args.dataset, "model": args.model,
-              "epochs": args.epochs, "weight_decay": args.weight_decay, "augment": args.augment,
-              "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
-              "lr_before_compressor": args.lr_before_compressor,
-              "warmup_steps": args.warmup_steps, "seed": args.seed, "workers": n,
-              "skip_nonfinite": skip_nonfinite, "poison_step": args.poison_step,
-              "poison_worker": poison_worker if args.poison_step is not None else None,
-              "skip_batch": args.skip_batch,
-              "train_images": len(x_train), "num_params": num_params, "backend": jax.default_backend()}
-    if args.mesh or multi:
-        config.update(mesh=dict(mesh.shape), processes=jax.process_count())
-
-    rng = np.random.default_rng(args.seed)
-    # done: steps taken so far (one per batch, a dropped one included), i.e. the 0-based index of the next
-    # step, the count --poison-step and --skip-batch name; run: steps run; skipped: steps the guard skipped.
-    prog = {"epoch": 0, "i": 0, "done": 0, "run": 0, "skipped": [], "bytes_per_step": 0, "bytes_total": 0,
-            "losses": [], "skipped_epoch": [], "records": [], "wall_s": 0.0}
-    perm = np.zeros(len(x_train), np.int64)  # this epoch's order (drawn at the start of each epoch)
-    ckpt = Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
-    if ckpt is not None and ckpt.latest_step() is not None:
-        p, s, perm, prog, rng = resume(ckpt, config, p, s, perm, rng)
-        t_start -= prog["wall_s"]
-
-    out = args.out or RESULTS / f"{args.compressor}.jsonl"
-    if lead:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    where = f"{n} workers" + (f" on a {args.mesh} mesh" if args.mesh else "")
-    where += f" in {jax.process_count()} processes" if multi else ""
-    print(f"compjax main job: {args.compressor} {comp_opts} | {where} on {jax.default_backend()} | "
-          f"{num_params:,} params | {steps_total} steps"
-          + (f" | resumed at step {prog['done']}" if prog["done"] else ""), flush=True)
-    resume_hint = (f"Restart every process with --checkpoint-dir {args.checkpoint_dir} to resume from the last "
-                   "checkpoint." if ckpt else "")
-    if multi:
-        distributed.watch(resume_hint)
-
-    def save():
-        prog["wall_s"] = time.time() - t_start
-        extra = {"config": config, "progress": prog, "rng": rng.bit_generator.state}
-        if ckpt.latest_step() != prog["done"]:
-            ckpt.save(prog["done"], {"params": p, "opt_state": s, "perm": perm}, extra=extra)
-            tqdm.write(f"checkpoint: saving step {prog['done']} in {ckpt.directory} (in the background)")
-
-    stop = steps_total if args.stop_after is None else min(steps_total, args.stop_after)
-    start = prog["done"]
-    try:
-        with ExitStack() as stack:
-            f = stack.enter_context(open(out if lead else os.devnull, "a" if start else "w"))
-            bar = stack.enter_context(tqdm(total=steps_total, initial=start, unit="step",
-                                           disable=args.no_progress or not lead))
-            if ckpt:
-                stack.callback(ckpt.close)  # waits for the last save
-            while prog["epoch"] < args.epochs and prog["done"] < stop:
-                if prog["i"] == 0:
-                    perm = rng.permutation(len(x_train))
-                while prog["i"] < steps_per_epoch and prog["done"] < stop:
-                    i, done = prog["i"], prog["done"]
-                    idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
-                    x = cifar10.random_crop_flip(x_train[idx], rng) if args.augment else x_train[idx]
-                    prog["i"] += 1
-                    prog["done"] += 1
-                    bar.update(1)
-                    if done == args.skip_batch:  # after the augmentation: later batches draw the same randomness
-                        tqdm.write(f"step {done}: batch dropped (--skip-batch)")
-                    else:
-                        if done == args.poison_step:
-                            x = poison(x, poison_worker, n)
-                        batch = parallel.shard_batch((x, y_train[idx]), mesh, AXIS, fast_axis=fast_axis)
-                        p, s, loss = step(p, s, batch)
-                        loss = parallel.gather(jax.block_until_ready(loss))  # one collective step in flight
-                        record_step(prog, s, loss, done, n, bar)
-                    epoch_ends = prog["i"] == steps_per_epoch or prog["done"] == steps_total
-                    if ckpt and not epoch_ends and (prog["done"] == stop or (
-                            args.checkpoint_every and prog["done"] % args.checkpoint_every == 0)):
-                        save()
-                if prog["i"] == steps_per_epoch or prog["done"] == steps_total:
-                    end_epoch(prog, apply, p, x_test, y_test, dense_bytes, t_start, f)
-                    if ckpt:
-                        save()
-            summary = make_summary(prog, config, p, dense_bytes, t_start)
-            if prog["done"] == steps_total and prog["done"] > start:
-                f.write(json.dumps(summary) + "\n")
-    except Exception as e:
-        if multi:  # a collective or the checkpoint barrier failed: most likely a process was lost
-            distributed.exit_lost_peer(str(e), resume_hint)
-        raise
-    if multi:
-        distributed.finish()
-    finished = prog["done"] == steps_total
-    ratio = f"{summary['compression_ratio']:.1f}x" if summary["compression_ratio"] else "n/a"
-    acc = summary["test_accuracy"]
-    print(f"{'SUMMARY' if finished else 'STOPPED'} compressor={args.compressor} options={json.dumps(comp_opts)} "
-          f"step={prog['done']}/{steps_total} "
-          f"test_accuracy={'n/a' if acc is None else f'{acc:.4f}'} bytes/step/worker={prog['bytes_per_step']} "
-          f"ratio={ratio} skipped_steps={prog['skipped']} "
-          f"wall={summary['wall_s']:.0f}s record={out if lead else '(process 0)'}", flush=True)
-    return summary
-
-
-def resume(ckpt: Checkpointer, config: dict, p, s, perm, rng):
-    """Restore ``(params, opt_state, perm, progress, rng)`` from ``ckpt``'s latest step; exit if the run differs."""
-    try:
-        state, extra = ckpt.restore({"params": p, "opt_state": s, "perm": perm})
-    except ValueError as e:
-        raise SystemExit(f"cannot resume: {e}") from None
-    saved, config = extra["config"], json.loads(json.dumps(config))  # compare as saved: tuples are lists
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}" for k in sorted({*saved, *config})
-            if saved.get(k) != config.get(k)]
-    if diff:
-        raise SystemExit(f"cannot resume from {ckpt.directory}: the run differs from the checkpoint's ("
-                         + "; ".join(diff) + ")")
-    rng.bit_generator.state = extra["rng"]
-    return state["params"], state["opt_state"], np.asarray(state["perm"]), extra["progress"], rng
-
-
-def record_step(prog: dict, s, loss: np.ndarray, done: int, n: int, bar) -> None:
-    """Count a step that ran: bytes, loss, or a step the guard skipped."""
-    prog["run"] += 1
-    local = parallel.local_view(s)  # counters and flags: this process's first worker (all agree)
-    if isinstance(s, cj.ApplyIfFiniteState) and not bool(np.asarray(local.last_finite)[0]):
-        # Only the wrapper's vote went over the wire (the chain inside it did not run).
-        prog["bytes_total"] += int(bytecount.to_int(np.asarray(local.payload_bytes))[0])
-        bad = ", ".join(str(w) for w in np.flatnonzero(~np.isfinite(loss)))
-        who = f" (non-finite loss on worker {bad})" if bad else ""
-        tqdm.write(f"step {done}: non-finite gradient on a worker{who}; all {n} workers skipped it")
-        prog["skipped_epoch"].append(done)
-    else:
-        prog["bytes_per_step"] = int(np.asarray(cj.payload_bytes(local))[0])
-        prog["bytes_total"] += prog["bytes_per_step"]
-        prog["losses"].append(float(np.mean(loss)))
-        bar.set_postfix(loss=f"{prog['losses'][-1]:.3f}")
-
-
-def end_epoch(prog: dict, apply, p, x_test, y_test, dense_bytes: int, t_start: float, f) -> None:
-    """Evaluate, write the epoch's record and start the next epoch's counters."""
-    prog["skipped"] += prog["skipped_epoch"]
-    acc = models.accuracy(apply, parallel.unreplicate(p), x_test, y_test)
-    bps = prog["bytes_per_step"]
-    rec = {"kind": "epoch", "epoch": prog["epoch"] + 1, "step": prog["done"],
-           "train_loss": float(np.mean(prog["losses"])) if prog["losses"] else None,  # over the steps applied
-           "test_accuracy": acc, "payload_bytes_per_step": bps,
-           "compression_ratio": dense_bytes / bps if bps else None,
-           "skipped_steps": prog["skipped_epoch"], "wall_s": time.time() - t_start}
-    prog["records"].append(rec)
-    f.write(json.dumps(rec) + "\n")
-    f.flush()
-    ratio = f"{rec['compression_ratio']:.1f}x" if rec["compression_ratio"] else "n/a"
-    loss_txt = "n/a" if rec["train_loss"] is None else f"{rec['train_loss']:.4f}"
-    tqdm.write(f"epoch {prog['epoch'] + 1}: test accuracy {acc:.4f} | train loss {loss_txt} | "
-               f"payload {bps:,} B/step/worker | ratio vs identity {ratio}")
-    prog.update(epoch=prog["epoch"] + 1, i=0, losses=[], skipped_epoch=[])
-
-
-def make_summary(prog: dict, config: dict, p, dense_bytes: int, t_start: float) -> dict:
-    """The run's summary record (parameters gathered from every process for the digest)."""
-    records, run, host = prog["records"], prog["run"], parallel.gather(p)
-    return {"kind": "summary", "config": config, "steps": run, "steps_applied": run - len(prog["skipped"]),
-            "skipped_steps": prog["skipped"],
-            "test_accuracy": records[-1]["test_accuracy"] if records else None,
-            "train_loss": records[-1]["train_loss"] if records else None,
-            "payload_bytes_per_step": prog["bytes_per_step"],
-            "payload_bytes_mean_per_step": prog["bytes_total"] / max(run, 1),
-            "dense_bytes_per_step": dense_bytes,
-            "compression_ratio": dense_bytes / (prog["bytes_total"] / run) if prog["bytes_total"] else None,
-            "params_finite": all(np.isfinite(x).all() for x in jax.tree.leaves(host)),
-            "params_sha256": digest(host),
-            "wall_s": time.time() - t_start}
+    return trainer.run(config, opts, command=command(argv))
 
 
 if __name__ == "__main__":

@@ -3,38 +3,61 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import compjax as cj
-from experiments import imagenet_models
+from experiments import imagenet_models, records
+from experiments.configs import bandwidth_table as bt_config
 from experiments.reproduce import bandwidth_table as bt
 from tests.helpers import AXIS, run_workers, stack
 
 #: parameters of the full models: torchvision's resnet18 / resnet50 and timm's swin_large_patch4_window7_224.
 FULL_COUNTS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "swin_large": 196_532_476}
+#: the committed table (read before any test moves records.RESULTS)
+COMMITTED = records.RESULTS / "reproduce" / "bandwidth_table.json"
+CONFIG = bt_config.get_config()
+
+
+def _files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bandwidth_table")
-    return out, bt.main(["--small", "--out-dir", str(out)])
+def roots(tmp_path_factory):
+    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
+    base = tmp_path_factory.mktemp("roots")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(records, "RUNS", base / "runs")
+        mp.setattr(records, "RESULTS", base / "results")
+        yield base / "runs", base / "results"
 
 
-def test_small_run_writes_table_json_and_plot(small_run):
+@pytest.fixture(scope="module")
+def small_run(roots):
+    """One --small run with the default output: (its folder, its result, the two roots)."""
+    res = bt.main(["--small"])
+    return roots[0] / "reproduce", res
+
+
+def test_small_run_writes_table_json_and_plot_under_runs(small_run, roots):
     out, res = small_run
+    assert _files(roots[0]) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
+    assert _files(roots[1]) == []  # the committed table is written only with --publish
     md = (out / "bandwidth_table.md").read_text()
     assert (out / "bandwidth_table.png").stat().st_size > 10_000
     on_disk = json.loads((out / "bandwidth_table.json").read_text())
     assert on_disk["rows"] == json.loads(json.dumps(res["rows"]))
+    assert on_disk["config"] == json.loads(json.dumps(CONFIG.to_dict()))
+    assert on_disk["command"] == on_disk["provenance"]["command"] == "python -m experiments.reproduce.bandwidth_table --small"
+    assert "Regenerate: `python -m experiments.reproduce.bandwidth_table --small`" in md
     # one row per (model, compressor, network, workers); every compressor row in each model's table
-    assert len(res["rows"]) == len(bt.MODELS) * len(bt.COMPRESSORS) * len(bt.NETWORKS) * len(bt.WORKERS)
-    for label, *_ in bt.MODELS:
-        assert f"## {label}:" in md
-    assert md.count("\n| qsgd 256 |") == len(bt.MODELS)
+    assert len(res["rows"]) == len(CONFIG.models) * len(bt.COMPRESSORS) * len(CONFIG.networks) * len(CONFIG.workers)
+    for m in CONFIG.models:
+        assert f"## {m['label']}:" in md
+    assert md.count("\n| qsgd 256 |") == len(CONFIG.models)
     # ratios against the dense all-reduce of the same model
     dense = {s["model"]: s["bytes"] for s in res["compressors"] if s["compressor"] == bt.BASELINE}
     for s in res["compressors"]:
@@ -63,7 +86,7 @@ WIRE_FORMATS = ["identity", "cast bf16", "topk 1%", "powersgd r2", "onebit"]
 def test_row_bytes_equal_payload_bytes_of_a_real_step(small_run, compressor, mesh):
     """The table's bytes (traced on an abstract mesh) = what the compressor says it sent in a step on 8 workers."""
     _, res = small_run
-    label, _, tiny, *_ = bt.MODELS[2]  # Swin: the tiny model with the fewest parameters
+    label, tiny = CONFIG.models[2]["label"], CONFIG.models[2]["small"]  # Swin: the tiny model with the fewest parameters
     shapes = imagenet_models.param_shapes(tiny)
     tx = bt.COMPRESSORS[compressor](AXIS)
     n = mesh.shape[AXIS]
@@ -105,14 +128,13 @@ def test_full_model_parameter_counts(name):
 
 def test_committed_table_matches_the_definitions():
     """The committed full table was made with the models as defined now (no stale counts)."""
-    path = bt.RESULTS / "bandwidth_table.json"
-    if not path.exists():
+    if not COMMITTED.exists():
         pytest.skip("no committed table")
-    res = json.loads(path.read_text())
+    res = json.loads(COMMITTED.read_text())
     assert not res["meta"]["small"]
     assert {m["definition"]: m["parameters"] for m in res["models"]} == FULL_COUNTS
     dense = {s["model"]: s["bytes"] for s in res["compressors"] if s["compressor"] == "identity"}
-    assert dense == {label: 4 * FULL_COUNTS[full] for label, full, *_ in bt.MODELS}
+    assert dense == {m["label"]: 4 * FULL_COUNTS[m["definition"]] for m in CONFIG.models}
 
 
 def test_the_model_families_run_forward():
@@ -143,5 +165,43 @@ def test_bad_model_name():
         imagenet_models.param_shapes("resnet1000")
 
 
-def test_results_path_is_the_repository_folder():
-    assert bt.RESULTS == Path(bt.__file__).resolve().parents[1] / "results" / "reproduce"
+def test_publish_writes_the_committed_folder_with_the_overrides(small_run, monkeypatch, tmp_path):
+    """--publish writes under experiments/results/reproduce only; --config.KEY=VALUE reaches the table.
+
+    (The traces are cached from the small run: this recomputes only the network model, the tables and the plot.)
+    """
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    monkeypatch.setattr(records, "RUNS", runs)
+    monkeypatch.setattr(records, "RESULTS", results)
+    res = bt.main(["--small", "--publish", "--config.workers=4,16", "--config.networks=ethernet_10g"])
+    assert _files(results) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
+    assert _files(runs) == []
+    assert {(r["network"], r["workers"]) for r in res["rows"]} == {("ethernet_10g", 4), ("ethernet_10g", 16)}
+    def traced(summary):  # what the traces give, without the hiding bandwidths per worker count
+        return [{k: v for k, v in s.items() if "[n=" not in k} for s in summary["compressors"]]
+
+    assert traced(res) == traced(small_run[1])
+    assert all({k for k in s if "[n=" in k} == {"hiding_bandwidth[n=4]", "hiding_bandwidth[n=16]"}
+               for s in res["compressors"])
+    md = (results / "reproduce" / "bandwidth_table.md").read_text()
+    assert "hides at, n=4 / 16 (Gbit/s) | 10 GbE, n=4 | 10 GbE, n=16 |" in md and "1 GbE, n=" not in md
+    assert "| no latency | α = 20 µs (10 GbE) |\n" in md and "- 10 GbE, 16 workers: " in md
+    on_disk = json.loads((results / "reproduce" / "bandwidth_table.json").read_text())
+    assert on_disk["config"]["workers"] == [4, 16] and on_disk["meta"]["workers"] == [4, 16]
+
+
+@pytest.mark.parametrize("arg, says", [
+    ("--config.nope=1", "--config.nope: no such key"),
+    ("--config.trace_workers=eight", "--config.trace_workers=eight: invalid literal for int()"),
+    ("--config.workers=eight", "--config.workers=('eight',): each must be an integer >= 2"),
+    ("--config.workers=1,8", "--config.workers=(1, 8): each must be an integer >= 2"),
+    ("--config.networks=ethernet_3g", "--config.networks=('ethernet_3g',): each must be one of"),
+    ("--config.models=1", "--config.models: each model is a dict with the keys label, definition"),
+])
+def test_a_bad_config_exits_with_one_line(arg, says, monkeypatch, tmp_path):
+    monkeypatch.setattr(records, "RUNS", tmp_path / "runs")
+    with pytest.raises(SystemExit) as e:
+        bt.main(["--small", arg])
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and msg.startswith(bt.PROG)
+    assert not (tmp_path / "runs").exists()

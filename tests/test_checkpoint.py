@@ -86,7 +86,7 @@ def test_main_job_resumes_bit_exact_and_refuses_another_run(tmp_path):
     resumed = train.main(TINY + ckpt + ["--out", str(tmp_path / "b.jsonl")])
     assert resumed["params_sha256"] == straight["params_sha256"]
     assert resumed["steps"] == straight["steps"] == 8
-    drop = ("wall_s",)
+    drop = ("wall_s", "provenance")  # the provenance names each process's command and start time
     lines = [[{k: v for k, v in json.loads(line).items() if k not in drop}
               for line in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl")]
     assert lines[0] == lines[1]  # the epoch records and the summary, written across the two processes

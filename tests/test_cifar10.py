@@ -144,15 +144,17 @@ def test_tarball_with_wrong_member_size(tmp_path, monkeypatch, small_files):
 
 
 def test_missing_dataset_says_how_to_get_it(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="cifar-10-binary.tar.gz"):
-        cifar10.load_cifar10(tmp_path)
+    from experiments.data import DataUnavailable
+
+    with pytest.raises(DataUnavailable, match="cifar-10-binary.tar.gz"):
+        cifar10.load_cifar10(tmp_path, download=False)
     monkeypatch.setattr(cifar10, "CACHE_DIR", tmp_path / "empty-cache")
-    with pytest.raises(FileNotFoundError, match="download=True") as err:
-        cifar10.load_cifar10()
+    with pytest.raises(DataUnavailable, match="download=True") as err:
+        cifar10.load_cifar10(download=False)
     assert cifar10.URL in str(err.value)
     write_bins(tmp_path / "partial", {"data_batch_1.bin": batch_bytes(0)})  # not all six files
-    with pytest.raises(FileNotFoundError, match="test_batch.bin"):
-        cifar10.load_cifar10(tmp_path / "partial")
+    with pytest.raises(DataUnavailable, match="test_batch.bin"):
+        cifar10.load_cifar10(tmp_path / "partial", download=False)
 
 
 # --- augmentation --------------------------------------------------------------------------------
@@ -286,9 +288,10 @@ def test_dgc_config():
     from experiments.configs import dgc_cifar10_resnet20
 
     config = dgc_cifar10_resnet20.get_config()
-    assert (config.dataset, config.model, config.epochs, config.batch_size) == ("cifar10", "resnet20", 160, 128)
-    assert (config.lr, config.momentum, config.weight_decay, config.warmup_steps) == (0.1, 0.9, 1e-4, 0)
-    assert config.augment is True
-    assert [run["compressor"] for run in config.runs] == ["identity", "topk", "dgc"]
-    assert config.runs[2] == {"compressor": "dgc", "ratio": 0.001, "sparsity_warmup_epochs": 4,
-                              "sample_ratio": 0.01}
+    t = config.train
+    assert (t.dataset, t.model, t.epochs, t.batch_size) == ("cifar10", "resnet20", 160, 128)
+    assert (t.lr, t.momentum, t.weight_decay, t.warmup_steps) == (0.1, 0.9, 1e-4, 0)
+    assert t.augment is True
+    assert [run["compressor"]["name"] for run in config.runs] == ["identity", "topk", "dgc"]
+    assert config.runs[2] == {"name": "DGC", "compressor": {"name": "dgc", "ratio": 0.001, "sample_ratio": 0.01},
+                              "sparsity_warmup_epochs": 4}

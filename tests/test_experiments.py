@@ -8,7 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import compressors, data, results_table, train
+from experiments import compressors, data, results_table, train, trainer
+
+
+def config_of(name: str):
+    """The main job's default config with compressor ``name``."""
+    cfg = train.default_config()
+    cfg.compressor.name = name
+    return cfg
 
 
 def write_idx(path, arr):
@@ -36,16 +43,16 @@ def test_idx_rejects_bad_header():
 
 def test_missing_files_say_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
-        data.load_file("train-labels-idx1-ubyte", tmp_path)
+        data.load_file("train-labels-idx1-ubyte", tmp_path, download=False)
 
 
 def test_registry_builds_every_compressor():
     for name in compressors.REGISTRY:
-        args = train.parse_args(["--compressor", name])  # the main job's parser (DGC takes its --momentum)
-        tx, opts = compressors.build(args, "data")
+        cfg = config_of(name)
+        tx, opts = compressors.build(cfg.compressor, "data", momentum=cfg.momentum)
         assert hasattr(tx, "init") and hasattr(tx, "update") and isinstance(opts, dict)
         # A compressor that carries the momentum is followed by SGD without one.
-        sgd_state = train.optimizer(args, 100).init({"w": np.zeros(3)})
+        sgd_state = trainer.optimizer(cfg, 100).init({"w": np.zeros(3)})
         has_trace = any(type(s).__name__ == "TraceState" for s in jax.tree.leaves(sgd_state, is_leaf=lambda x: hasattr(x, "_fields")))
         assert has_trace == (not compressors.momentum_inside(name))
 
@@ -55,9 +62,8 @@ def test_registry_passes_skip_nonfinite_to_every_compressor():
     params = {"w": np.zeros((8, 8), np.float32), "b": np.zeros(8, np.float32)}
     grads = {"w": np.full((8, 8), np.nan, np.float32), "b": np.ones(8, np.float32)}
     for name in compressors.REGISTRY:
-        args = train.parse_args(["--compressor", name])
         for skip in (True, False):
-            tx, _ = compressors.build(args, None, skip_nonfinite=skip)
+            tx, _ = compressors.build(config_of(name).compressor, None, skip_nonfinite=skip)
             _, state = tx.update(grads, tx.init(params), params)
             assert int(state.skipped) == int(skip), (name, skip)
 
@@ -109,7 +115,7 @@ def _no_data(*args, **kwargs):
     (["--poison-step", "1", "--skip-batch", "1"], "--poison-step"),
 ])
 def test_bad_step_flags_fail_before_loading_data(monkeypatch, argv, flag):
-    monkeypatch.setitem(train.DATASETS, "fashion_mnist", _no_data)
+    monkeypatch.setitem(trainer.DATASETS, "fashion_mnist", _no_data)
     with pytest.raises(SystemExit, match=flag):
         train.main(argv + ["--no-progress"])
 
@@ -137,14 +143,15 @@ def test_results_table_regenerates_from_records(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     for name, acc, nbytes in [("identity", 0.9, 800), ("topk", 0.89, 16)]:
-        rec = {"kind": "summary", "config": {"compressor": name, "options": {}, "epochs": 1, "workers": 8},
-               "test_accuracy": acc, "payload_bytes_mean_per_step": nbytes, "compression_ratio": 800 / nbytes,
-               "wall_s": 1.0}
+        rec = {"kind": "summary", "config": {"compressor": name, "options": {}, "epochs": 5, "workers": 8,
+                                             "train_images": 60000, "batch_size": 256},
+               "steps": 1170, "test_accuracy": acc, "payload_bytes_mean_per_step": nbytes,
+               "compression_ratio": 800 / nbytes, "wall_s": 1.0}
         (runs / f"{name}.jsonl").write_text(json.dumps({"kind": "epoch"}) + "\n" + json.dumps(rec) + "\n")
     readme = tmp_path / "README.md"
     readme.write_text(f"x\n{results_table.START}\nold\n{results_table.END}\ny\n")
     text = results_table.main(["--runs", str(runs), "--out", str(tmp_path / "t.md"), "--readme", str(readme)])
-    assert "| topk | — | 89.00% | -1.00 | 16 | 50.0× |" in text
+    assert "| topk | — | 89.00% | — | -1.00 | 16 | 50.0× | 5 | 1170 |" in text
     assert "old" not in readme.read_text() and text in readme.read_text()
 
 
@@ -156,8 +163,8 @@ def test_lr_before_compressor_is_the_same_sgd_for_a_linear_compressor():
     grads = [{"w": np.full((3, 2), float(t + 1), np.float32)} for t in range(4)]
     outs = {}
     for flag in ([], ["--lr-before-compressor"]):
-        args = train.parse_args(["--momentum", "0", "--warmup-steps", "2"] + flag)
-        tx = train.transform(args, cj.identity(), 10)
+        cfg, _ = train.parse(["--momentum", "0", "--warmup-steps", "2"] + flag)
+        tx = trainer.transform(cfg, cj.identity(), 10)
         state, outs[bool(flag)] = tx.init(params), []
         for g in grads:
             u, state = tx.update(g, state, params)

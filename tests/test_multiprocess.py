@@ -83,7 +83,8 @@ def test_lost_peer_is_named_and_a_restart_resumes(tmp_path):
     assert time.time() - killed < 60
     saved = Checkpointer(ckpt).all_steps()  # the saves that completed (the last one may not have)
     assert saved and saved[-1] >= 2, saved
-    again = launch(2, 2, tmp_path / "logs2", *argv, cache=tmp_path / "cache")
+    # The restart has no peer to lose: the default heartbeat timeout (20 s) rides out a loaded machine.
+    again = launch(2, 2, tmp_path / "logs2", *argv[:-2], cache=tmp_path / "cache")
     assert again.returncode == 0, again.stdout
     log0 = (tmp_path / "logs2" / "process_0.log").read_text()
     assert f"resumed at step {saved[-1]}" in log0, log0

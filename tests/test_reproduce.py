@@ -6,27 +6,31 @@ from experiments import train
 from experiments.reproduce import dgc
 
 
-def test_configs_become_main_job_arguments():
-    cfg = dgc.load_config("cifar10_resnet20")
-    argv = dgc.train_args(cfg)
-    args = train.parse_args(argv + ["--compressor", "dgc"])  # every argument is one the main job knows
-    assert (args.dataset, args.model, args.epochs, args.batch_size, args.augment) == ("cifar10", "resnet20", 160, 128, True)
+def test_configs_become_main_job_configs():
+    cfg = dgc.load_config(dgc.CONFIGS / "dgc_cifar10_resnet20.py")
     runs = dgc.runs(cfg)
     assert list(runs) == ["baseline", "gradient dropping", "DGC"]
-    dgc_args = train.parse_args(argv + runs["DGC"])
-    assert dgc_args.sparsity_warmup_steps == 4 * (50_000 // 128) and dgc_args.ratio == 0.001
-    assert train.parse_args(argv + runs["gradient dropping"]).compressor == "topk"
+    for run in runs.values():  # every run is a main-job config that passes the main job's checks
+        train.check(run, train.build_parser().parse_args([]))
+        assert (run.dataset, run.model, run.epochs, run.batch_size, run.augment) == ("cifar10", "resnet20", 160, 128, True)
+    assert runs["DGC"].compressor.sparsity_warmup_steps == 4 * (50_000 // 128) and runs["DGC"].compressor.ratio == 0.001
+    assert runs["gradient dropping"].compressor.name == "topk" and runs["baseline"].compressor.name == "identity"
+    # --config.train.KEY overrides reach every run.
+    small = dgc.runs(dgc.load_config(dgc.DEFAULT_CONFIG, ["--config.train.epochs=1"]))
+    assert {r.epochs for r in small.values()} == {1}
 
 
 def test_tiny_reproduction_writes_table_and_plot(tmp_path):
-    tiny = "--epochs 1 --max-steps 2 --train-limit 512 --batch-size 64"
-    out = dgc.main(["--out-dir", str(tmp_path), "--train-args", tiny])
+    tiny = ["--config.train.epochs=1", "--config.train.max_steps=2", "--config.train.train_limit=512",
+            "--config.train.batch_size=64"]
+    out = dgc.main(["--out-dir", str(tmp_path), *tiny])
     assert set(out) == {"baseline", "gradient dropping", "DGC"}
     md = (tmp_path / "dgc_fashion_mnist_cnn.md").read_text()
     assert md.count("\n| ") == 4 and "ratio at final sparsity" in md  # header + 3 runs
     assert (tmp_path / "dgc_fashion_mnist_cnn.png").stat().st_size > 1000
     rec = [json.loads(x) for x in (tmp_path / "dgc" / "fashion_mnist_cnn" / "dgc.jsonl").read_text().splitlines()]
-    assert rec[-1]["config"]["options"]["sparsity_warmup_steps"] == 234  # 1 epoch of 60000 // 256 steps
+    assert rec[-1]["config"]["options"]["sparsity_warmup_steps"] == 8  # 1 epoch of 512 // 64 steps
+    assert "0.25 (2 steps)" in md  # the epochs the runs really trained
     # Report-only rebuilds the same table from the records without training.
     dgc.main(["--out-dir", str(tmp_path), "--report-only"])
     assert (tmp_path / "dgc_fashion_mnist_cnn.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
@@ -56,8 +60,9 @@ def test_dga_time_model_by_hand():
 def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
     from experiments.reproduce import dga
 
-    tiny = "--epochs 1 --max-steps 4 --train-limit 1024 --batch-size 64"
-    rows = dga.main(["--out-dir", str(tmp_path), "--delays", "0,2", "--train-args", tiny])
+    tiny = ["--config.train.epochs=1", "--config.train.max_steps=4", "--config.train.train_limit=1024",
+            "--config.train.batch_size=64"]
+    rows = dga.main(["--out-dir", str(tmp_path), "--delays", "0,2", *tiny])
     assert [r["delay"] for r in rows] == [0, 2]
     assert rows[0]["bytes"] == 4 * 206_922  # the dense float32 exchange; no non-finite vote (see the config)
     md = (tmp_path / "dga_fashion_mnist_cnn.md").read_text()

@@ -6,36 +6,103 @@ import json
 
 import pytest
 
+from experiments import records
 from experiments.reproduce import diloco as repro
 
-
-@pytest.fixture
-def tiny(monkeypatch, tmp_path):
-    settings = dict(repro.SETTINGS, steps=8, eval_every=4, eval_batches=1, batch_per_worker=2, seq_len=16)
-    monkeypatch.setattr(repro, "SETTINGS", settings)
-    monkeypatch.setattr(repro, "H", 4)
-    monkeypatch.setattr(repro, "OUT", tmp_path)
-    monkeypatch.setattr(repro, "RUNS", tmp_path / "diloco")
-    return settings
+#: tiny settings, as --config.KEY=VALUE overrides of the default config (H = 4)
+TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train.eval_batches=1",
+        "--config.train.batch_per_worker=2", "--config.train.seq_len=16", "--config.sync_every=4"]
+ROWS = ["data-parallel", "streaming"]
 
 
-def test_rows_bytes_and_table(tiny, tmp_path):
-    rows = {r["row"]: r for r in repro.main(["--rows", "data-parallel", "streaming"])}
-    assert set(rows) == {"data-parallel", "streaming"}
+def _files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def _outputs(rows):
+    return sorted([*(f"reproduce/diloco/{r}.json" for r in rows),
+                   *(f"reproduce/{repro.NAME}.{ext}" for ext in ("json", "md", "png"))])
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
+    base = tmp_path_factory.mktemp("roots")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(records, "RUNS", base / "runs")
+        mp.setattr(records, "RESULTS", base / "results")
+        yield base / "runs", base / "results"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(roots):
+    """Data-parallel and Streaming DiLoCo, 8 steps, with the default output: (rows by name, records by name)."""
+    rows = {r["row"]: r for r in repro.main(["--rows", *ROWS, *TINY])}
+    out = roots[0] / "reproduce" / "diloco"
+    return rows, {k: json.loads((out / f"{k}.json").read_text()) for k in rows}
+
+
+def test_rows_bytes_and_table_under_runs(tiny_run, roots):
+    runs, results = roots
+    rows, recs = tiny_run
+    assert _files(runs) == _outputs(ROWS) and _files(results) == []  # the committed results only with --publish
+    assert set(rows) == set(ROWS)
     dp, st = rows["data-parallel"], rows["streaming"]
-    records = {k: json.loads((tmp_path / "diloco" / f"{k}.json").read_text()) for k in rows}
-    n = records["data-parallel"]["config"]["num_params"]
+    n = recs["data-parallel"]["config"]["num_params"]
     # Data-parallel: a float32 all-reduce of the model (+ the 4-byte non-finite vote) every step.
-    assert records["data-parallel"]["payload_bytes"] == [4 * n + 4] * 8
+    assert recs["data-parallel"]["payload_bytes"] == [4 * n + 4] * 8
     assert dp["total_bytes"] == 8 * (4 * n + 4) and dp["bytes_ratio"] == 1
     # Streaming, H = 4, 2 fragments (offsets 0, 2), overlap 1: fragment 1 starts after steps 2 and 6 and
     # exchanges after 3 and 7, fragment 0 starts after 4 and 8 and exchanges after 5; E3M0 sends about 1/8 of
     # float32 per fragment.
-    sent = records["streaming"]["payload_bytes"]
+    sent = recs["streaming"]["payload_bytes"]
     assert [i + 1 for i, b in enumerate(sent) if b] == [3, 5, 7]
     assert sum(sent) == st["total_bytes"] and max(sent) == st["peak_bytes"] < (4 * n) / 8
     assert st["bytes_ratio"] == pytest.approx(dp["total_bytes"] / st["total_bytes"])
-    assert st["val_loss_mean"] == records["streaming"]["val_loss_mean"][-1]
-    md = (tmp_path / f"{repro.NAME}.md").read_text()
-    assert f"{st['total_bytes']:,}" in md and f"{st['val_loss_mean']:.4f}" in md
-    assert (tmp_path / f"{repro.NAME}.png").stat().st_size > 0
+    assert st["val_loss_mean"] == recs["streaming"]["val_loss_mean"][-1]
+    assert st["label"] == "Streaming DiLoCo, H = 4, 2 fragments, τ = 1, E3M0"  # the labels follow the config
+    out = runs / "reproduce"
+    md = (out / f"{repro.NAME}.md").read_text()
+    assert f"{st['total_bytes']:,}" in md and f"{st['val_loss_mean']:.4f}" in md and ", 8 steps, AdamW" in md
+    assert (out / f"{repro.NAME}.png").stat().st_size > 0
+    summary = json.loads((out / f"{repro.NAME}.json").read_text())
+    command = " ".join([repro.PROG, "--rows", *ROWS, *TINY])
+    assert summary["command"] == summary["provenance"]["command"] == command
+    assert summary["config"]["train"]["steps"] == 8 and summary["config"]["sync_every"] == 4
+    assert summary["config"]["streaming"] == {"fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.4}
+    assert recs["streaming"]["reproduction"] == {"command": command, "config": summary["config"]}
+
+
+def test_publish_writes_the_committed_folder_and_report_only_reads_it(tiny_run, monkeypatch, tmp_path):
+    """--publish: records and table under experiments/results/reproduce only (the runs replayed from the tiny ones);
+    --publish --report-only rebuilds the same table from those records without training."""
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    monkeypatch.setattr(records, "RUNS", runs)
+    monkeypatch.setattr(records, "RESULTS", results)
+    rows, recs = tiny_run
+    replay = {k: {key: v for key, v in r.items() if key != "reproduction"} for k, r in recs.items()}
+    monkeypatch.setattr(repro, "run", lambda row, config: json.loads(json.dumps(replay[row])))
+    published = repro.main(["--rows", *ROWS, "--publish", *TINY])
+    assert _files(results) == _outputs(ROWS) and _files(runs) == []
+    assert published == list(rows.values())
+    md = (results / "reproduce" / f"{repro.NAME}.md").read_text()
+    monkeypatch.setattr(repro, "run", lambda row, config: pytest.fail("--report-only trained"))
+    assert repro.main(["--report-only", "--publish", *TINY]) == published
+    assert (results / "reproduce" / f"{repro.NAME}.md").read_text() == md and _files(runs) == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--config.nope=1"], "--config.nope: no such key"),
+    (["--config.train.nope=1"], "--config.train.nope: no such key"),
+    (["--config.sync_every=often"], "--config.sync_every=often: invalid literal for int()"),
+    (["--rows", "nope"], "--rows: invalid choice: 'nope'"),
+    (["--report-only"], "no records under "),  # never an empty table (e.g. into the README)
+])
+def test_a_bad_argument_exits_with_one_line(args, says, monkeypatch, tmp_path):
+    monkeypatch.setattr(records, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(repro, "run", lambda row, config: pytest.fail("trained before checking the arguments"))
+    with pytest.raises(SystemExit) as e:
+        repro.main(args)
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and msg.startswith(repro.PROG)
+    assert _files(tmp_path / "runs") == []

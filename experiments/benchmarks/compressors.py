@@ -1,6 +1,7 @@
 """Compute cost of every compressor: update time on a ResNet-18-shaped tree beside the elementwise floor, and more.
 
     python -m experiments.benchmarks.compressors [--repeats 10] [--only topk,powersgd] [--small]
+    python -m experiments.benchmarks.compressors --repeats 5 --publish --readme README.md   # the committed results
 
 Runs on whatever backend JAX finds (CPU, GPU or TPU) and names the device.
 Main table, one worker (``axis_name=None``): the compute cost of compressing
@@ -16,8 +17,11 @@ compressor beside the dense step's, and that step's time (compute + in-process
 collectives on the simulated CPU workers); cost growth from 1M to 64M
 parameters on one leaf, with the log-log slope per compressor.  Writes
 ``compressors.json``, ``compressors.md`` and ``compressors.png`` (update time ×
-floor) to ``--out-dir`` (default ``experiments/results/benchmarks``); the JSON
-holds ``os.getloadavg()`` before and after the run.
+floor) to ``runs/benchmarks`` (git-ignored), with ``--publish`` to
+``experiments/results/benchmarks`` (the committed results), or to
+``--out-dir``; the JSON holds the command, provenance and ``os.getloadavg()``
+before and after the run.  ``--small`` (tests) shrinks every section: a tree of
+11 narrow leaves, small leaves, and a linear model in the step section.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -43,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import compjax as cj
+from experiments import config_cli, records
 
-HERE = Path(__file__).resolve().parent
-OUT_DIR = HERE.parent / "results" / "benchmarks"
+PROG = "python -m experiments.benchmarks.compressors"
 
 #: name -> factory of a transform, ``factory(axis_name=None)``.  Later compressors add a line here.
 COMPRESSORS: dict[str, Callable[..., object]] = {
@@ -73,12 +78,12 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 def dgc_leaf_section(args: argparse.Namespace, size: int = 25_000_000) -> list[dict]:
     """DGC's whole ``update`` (momentum correction, accumulation, selection, masking, decode) on one leaf.
 
-    One standard normal leaf of ``size`` float32 entries (``size // 64`` with
+    One standard normal leaf of ``size`` float32 entries (``size // 1024`` with
     ``--small``), ``dgc(0.001)`` with the sampled threshold and with exact
     ``lax.top_k`` (``sample_ratio=None``), beside the floor on that leaf.
     Both send the same entries here (checked).
     """
-    size = size // 64 if args.small else size
+    size = size // 1024 if args.small else size
     g = {"w": jnp.asarray(np.random.default_rng(1).standard_normal(size, np.float32))}
     f_med, f_min = time_fn(jax.jit(lambda a, b: a + b), g["w"], g["w"] * 0.5, repeats=args.repeats)
     rows = [{"name": f"elementwise floor (g + e), {size:,} entries", "ms_median": f_med, "ms_min": f_min,
@@ -128,23 +133,42 @@ def draw_section(args: argparse.Namespace) -> list[dict]:
 SECTIONS["one uniform draw per parameter"] = draw_section
 
 
-def _cnn_step(name: str, workers: int):
-    """The main job's data-parallel step (Fashion-MNIST CNN, global batch 256) with compressor ``name``, then SGD."""
+def _linear_model():
+    """``(params, loss_fn)`` of a softmax regression on 28x28x1 images: the step section's model with ``--small``."""
+    import optax
+
+    params = {"w": jnp.zeros((784, 10), jnp.float32), "b": jnp.zeros(10, jnp.float32)}
+
+    def loss_fn(p, batch):
+        x, y = batch
+        logits = x.reshape(x.shape[0], -1) @ p["w"] + p["b"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return params, loss_fn
+
+
+def _cnn_step(name: str, workers: int, small: bool = False):
+    """The main job's data-parallel step (Fashion-MNIST CNN, global batch 256) with compressor ``name``, then SGD.
+
+    ``small``: a softmax regression instead of the CNN and a global batch of 8 per worker (seconds to compile).
+    Returns the jitted step, its arguments and the model's name.
+    """
     import optax
 
     from compjax import parallel
     from experiments import models
 
-    params, _, loss_fn = models.build(0)
+    params, loss_fn = _linear_model() if small else models.build(0)[::2]
+    batch_size = 8 * workers if small else 256
     mesh = parallel.make_mesh(workers)
     tx = optax.chain(COMPRESSORS[name](axis_name="data"), optax.sgd(0.05, momentum=0.9))
     p = parallel.replicate(params, mesh)
     s = parallel.init_worker_state(tx, params, mesh)
     rng = np.random.default_rng(0)
-    batch = parallel.shard_batch((rng.standard_normal((256, 28, 28, 1)).astype(np.float32),
-                                  rng.integers(0, 10, 256).astype(np.int32)), mesh)
+    batch = parallel.shard_batch((rng.standard_normal((batch_size, 28, 28, 1)).astype(np.float32),
+                                  rng.integers(0, 10, batch_size).astype(np.int32)), mesh)
     step = parallel.data_parallel_step(loss_fn, tx, mesh)
-    return step, (p, s, batch)
+    return step, (p, s, batch), "softmax regression (small)" if small else "CNN"
 
 
 def step_section(args: argparse.Namespace) -> list[dict]:
@@ -153,7 +177,8 @@ def step_section(args: argparse.Namespace) -> list[dict]:
     Compile: ``step.lower(...).compile()`` wall time, once per compressor.  Step:
     median of ``--repeats`` blocked steps (compute + the in-process collectives of
     the simulated CPU workers: the wire is free here).  Uses the devices JAX has
-    (8 simulated CPU devices when run as ``python -m``), at most 8.
+    (8 simulated CPU devices when run as ``python -m``), at most 8.  With
+    ``--small``: a softmax regression on 8 images per worker (the rows' ``model``).
     """
     workers = min(8, len(jax.devices()))
     names = _names(args)
@@ -161,12 +186,13 @@ def step_section(args: argparse.Namespace) -> list[dict]:
         names = ["identity", *names]
     rows = []
     for name in names:
-        step, sargs = _cnn_step(name, workers)
+        step, sargs, model = _cnn_step(name, workers, args.small)
         t = time.perf_counter()
         compiled = step.lower(*sargs).compile()
         compile_s = time.perf_counter() - t
         med, mn = time_fn(compiled, *sargs, repeats=args.repeats)
-        rows.append({"name": name, "workers": workers, "compile_s": compile_s, "ms_median": med, "ms_min": mn})
+        rows.append({"name": name, "model": model, "workers": workers, "compile_s": compile_s, "ms_median": med,
+                     "ms_min": mn})
         print(f"  step {name}: compile {compile_s:.2f} s, {med:.1f} ms", file=sys.stderr, flush=True)
     dense = rows[0]
     for r in rows:
@@ -181,11 +207,12 @@ SECTIONS["main-job step (CNN, 8 workers): compile and step time"] = step_section
 def growth_section(args: argparse.Namespace) -> list[dict]:
     """Update time on one leaf of 1M, 4M, 16M and 64M float32 parameters, and the log-log slope per compressor.
 
-    With ``--small``: 2**14 and 2**16 entries.  Leaves are (n // 1024, 1024)
+    With ``--small``: 2**10 and 2**12 entries (top-k compiles its large-leaf
+    path from 2**14 on, seconds per program).  Leaves are (n // 1024, 1024)
     matrices (PowerSGD then has a matrix to factor).  The slope is the
     least-squares fit of log(ms) on log(n); 1 is linear growth.
     """
-    sizes = [2**14, 2**16] if args.small else [2**20, 2**22, 2**24, 2**26]
+    sizes = [2**10, 2**12] if args.small else [2**20, 2**22, 2**24, 2**26]
     repeats = max(1, min(args.repeats, 3))
     rng = np.random.default_rng(2)
     base = rng.standard_normal(sizes[-1], np.float32)
@@ -241,9 +268,22 @@ def resnet18_shapes(num_classes: int = 1000, small: bool = False) -> dict[str, t
     return shapes
 
 
+#: the leaves of the --small tree: the stem, the first block and the classifier of the 16x-narrower ResNet-18.
+SMALL_LEAVES = ("conv1/", "bn1/", "layer1/0/", "fc/")
+
+
+def tree_shapes(small: bool) -> dict[str, tuple[int, ...]]:
+    """The benchmark tree's leaf shapes: ResNet-18's, or with ``small`` the :data:`SMALL_LEAVES` of it 16x narrower.
+
+    The small tree (11 leaves, tests) keeps compile times to seconds: compiling an update costs per leaf.
+    """
+    shapes = resnet18_shapes(small=small)
+    return {k: s for k, s in shapes.items() if k.startswith(SMALL_LEAVES)} if small else shapes
+
+
 def make_tree(small: bool, seed: int = 0) -> dict[str, jnp.ndarray]:
     rng = np.random.default_rng(seed)  # NumPy: one jax.random compile per leaf shape would take a minute
-    return {k: jnp.asarray(rng.standard_normal(s, np.float32)) for k, s in resnet18_shapes(small=small).items()}
+    return {k: jnp.asarray(rng.standard_normal(s, np.float32)) for k, s in tree_shapes(small).items()}
 
 
 def time_fn(fn, *args, repeats: int) -> tuple[float, float]:
@@ -316,11 +356,11 @@ def run(args: argparse.Namespace) -> dict:
         if sname not in args.skip.split(","):
             sections[sname] = fn(args)
     return {
-        "command": "python -m experiments.benchmarks.compressors " + " ".join(args.argv),
+        "command": shlex.join([*PROG.split(), *args.argv]),
         "machine": {"jax": jax.__version__, **device_info(), "cpu_count": os.cpu_count(),
                     "platform": platform.platform()},
-        "tree": {"name": "ResNet-18 (small)" if args.small else "ResNet-18", "params": n_params,
-                 "leaves": len(jax.tree.leaves(tree))},
+        "tree": {"name": "ResNet-18 (small: stem, first block, classifier)" if args.small else "ResNet-18",
+                 "params": n_params, "leaves": len(jax.tree.leaves(tree))},
         "repeats": args.repeats,
         "rows": rows,
         "sections": sections,
@@ -410,29 +450,33 @@ def plot(result: dict, path: Path, others: tuple[dict, ...] = ()) -> bool:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated names of compressors (all sections use them)")
     p.add_argument("--skip", default="", help="comma-separated names of sections to leave out")
-    p.add_argument("--small", action="store_true", help="a tree 16x narrower (for tests)")
-    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--small", action="store_true",
+                   help="tiny inputs in every section: 11 narrow leaves, a linear model in the step section (tests)")
+    records.add_output_arguments(p, "benchmarks")
     p.add_argument("--readme", type=Path, default=None, help="also replace the results:benchmark block of this file")
     args = p.parse_args(argv)
     args.argv = argv
+    out_dir = records.output_dir(args, "benchmarks")
     load_before, t0 = os.getloadavg(), time.perf_counter()
     result = run(args)
+    result["provenance"] = records.provenance(result["command"])
     result["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result["wall_s"] = time.perf_counter() - t0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "compressors.json").write_text(json.dumps(result, indent=2) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compressors.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
-    (args.out_dir / "compressors.md").write_text(md)
-    plot(result, args.out_dir / "compressors.png")
+    (out_dir / "compressors.md").write_text(md)
+    plot(result, out_dir / "compressors.png")
     if args.readme:
         from experiments.results_table import update_readme
 
         update_readme(args.readme, md, "benchmark")
     print(md, end="")
+    print(f"wrote {out_dir}/compressors.{{json,md,png}}", file=sys.stderr)
     return result
 
 

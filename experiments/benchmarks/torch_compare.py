@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"       # torch==2.13.0 (CPU wheel); never a core dependency
     python -m experiments.benchmarks.torch_compare [--repeats 7] [--small]
+    python -m experiments.benchmarks.torch_compare --repeats 5 --publish --readme README.md   # the committed table
 
 Identical tensors (the ResNet-18-shaped tree of :mod:`experiments.benchmarks.compressors`,
 11.7M float32 parameters, one worker), the same machine, the same number of
@@ -29,8 +30,10 @@ is faster):
   unpacked, vs ``cj.signsgd()`` / ``cj.onebit()`` (32 signs per uint32 word).
 
 No collectives on either side (one worker): the compute cost only.  Prints one
-line and exits 0 when torch is not installed.  Writes ``torch_compare.json`` and
-``torch_compare.md`` to ``--out-dir`` (default ``experiments/results/benchmarks``).
+line and exits 0 when torch is not installed.  Writes ``torch_compare.json``
+(with the command and provenance) and ``torch_compare.md`` to
+``runs/benchmarks`` (git-ignored), with ``--publish`` to
+``experiments/results/benchmarks`` (the committed results), or to ``--out-dir``.
 
 References:
   Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient
@@ -45,6 +48,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -52,8 +56,10 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import config_cli, records
+
 HERE = Path(__file__).resolve().parent
-OUT_DIR = HERE.parent / "results" / "benchmarks"
+PROG = "python -m experiments.benchmarks.torch_compare"
 
 
 def _median_ms(fn, repeats: int, sync=lambda x: x) -> float:
@@ -187,10 +193,10 @@ def torch_sign(torch, tensors, onebit: bool):
 
 def numpy_tree(small: bool) -> dict[str, np.ndarray]:
     """The benchmark tree as NumPy arrays: the values of :func:`experiments.benchmarks.compressors.make_tree`."""
-    from experiments.benchmarks.compressors import resnet18_shapes
+    from experiments.benchmarks.compressors import tree_shapes
 
     rng = np.random.default_rng(0)
-    return {k: rng.standard_normal(s, np.float32) for k, s in resnet18_shapes(small=small).items()}
+    return {k: rng.standard_normal(s, np.float32) for k, s in tree_shapes(small).items()}
 
 
 def compjax_times(args: argparse.Namespace) -> dict:
@@ -210,7 +216,8 @@ def compjax_times(args: argparse.Namespace) -> dict:
     times = {f"powersgd{rank}": cj_ms(cj.powersgd(rank=rank)) for rank in (1, 2, 4)}
     times |= {f"topk{ratio}": cj_ms(cj.topk(ratio)) for ratio in (0.01, 0.001)}
     times |= {"signsgd": cj_ms(cj.signsgd()), "onebit": cj_ms(cj.onebit())}
-    return {"times": times, "jax": jax.__version__, **device_info()}
+    # provenance here, in the process that runs JAX (the torch process never starts XLA); run() sets its command
+    return {"times": times, "jax": jax.__version__, **device_info(), "provenance": records.provenance("")}
 
 
 def run(args: argparse.Namespace, torch) -> dict:
@@ -265,13 +272,14 @@ def run(args: argparse.Namespace, torch) -> dict:
     add("1-bit SGD, packed signs", "cj.onebit()", cj_times["onebit"], "column means + 8 bits/byte packing",
         _median_ms(torch_sign(torch, t_flat, onebit=True), args.repeats))
     return {
-        "command": "python -m experiments.benchmarks.torch_compare " + " ".join(args.argv),
+        "command": shlex.join([*PROG.split(), *args.argv]),
         "machine": {"jax": side["jax"], "torch": torch.__version__, "backend": side["backend"],
                     "device": side["device"], "threads": threads, "cpu_count": os.cpu_count(),
                     "platform": platform.platform(), "processes": "compjax and torch in separate processes"},
         "tree": {"params": sum(int(v.size) for v in tree.values()), "leaves": len(tree)},
         "repeats": args.repeats,
         "rows": rows,
+        "provenance": side["provenance"] | {"command": shlex.join([*PROG.split(), *args.argv])},
     }
 
 
@@ -297,10 +305,11 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--small", action="store_true", help="a tree 16x narrower (for tests)")
-    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--small", action="store_true", help="the benchmark's small tree: 11 narrow leaves (for tests)")
+    records.add_output_arguments(p, "benchmarks")
+    p.add_argument("--readme", type=Path, default=None, help="also replace the results:torch_compare block of this file")
     p.add_argument("--side", choices=["compjax"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--side-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -313,14 +322,20 @@ def main(argv=None) -> dict | None:
     except ImportError:
         print("torch is not installed: skipping the PyTorch comparison (pip install -e '.[bench]')")
         return None
+    out_dir = records.output_dir(args, "benchmarks")
     load_before = os.getloadavg()
     result = run(args, torch)
     result["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "torch_compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "torch_compare.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
-    (args.out_dir / "torch_compare.md").write_text(md)
+    (out_dir / "torch_compare.md").write_text(md)
+    if args.readme:
+        from experiments.results_table import update_readme
+
+        update_readme(args.readme, md, "torch_compare")
     print(md, end="")
+    print(f"wrote {out_dir}/torch_compare.{{json,md}}", file=sys.stderr)
     return result
 
 

@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import ml_collections
 
+from experiments.configs import main_job
+
 
 def get_config() -> ml_collections.ConfigDict:
-    """Training hyper-parameters, the delays compared and the network of the time model."""
+    """The main-job settings of every run (``train``), the delays compared and the network of the time model."""
     config = ml_collections.ConfigDict()
-    config.epochs = 5
-    config.batch_size = 256  # global, split over the workers
-    config.lr = 0.05
-    config.momentum = 0.9
-    config.warmup_steps = 100
-    config.inner = "identity"  # the compressor of the delayed exchange
+    config.train = main_job.get_config()  # every key can be overridden: --config.train.epochs=1
+    config.train.update(epochs=5, batch_size=256, lr=0.05, momentum=0.9, warmup_steps=100)
+    config.train.compressor.name = "dga"
+    config.train.compressor.inner = "identity"  # the compressor of the delayed exchange
     # No non-finite guard: its vote is an all-reduce on the current step's gradient, synchronous by nature,
     # which on a 110 ms link costs as much latency as the dense exchange itself (14 messages per ring
     # all-reduce at 8 workers) and cannot be delayed.  The paper's method has none.
-    config.skip_nonfinite = False
+    config.train.skip_nonfinite = False
     config.delays = [0, 2, 5, 10, 20]
     config.network = "wan"  # a compjax.netmodel.Network preset (Mumbai–San Francisco, 110 ms one way)
     # The seed notes quote 40 ms one way for Mumbai–San Francisco, below the speed-of-light bound for its

@@ -12,7 +12,7 @@ into main-job arguments (:mod:`experiments.train`).
 
 Meant for GPU runs, not CPU (each run is about 62,500 steps of batch 128):
 
-    python -m experiments.reproduce.dgc --config cifar10_resnet20
+    python -m experiments.reproduce.dgc --config experiments/configs/dgc_cifar10_resnet20.py
 
 References:
   Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the
@@ -26,24 +26,22 @@ from __future__ import annotations
 
 import ml_collections
 
+from experiments.configs import main_job
+
 
 def get_config() -> ml_collections.ConfigDict:
-    """The configuration: training hyper-parameters and the compared runs (``runs``, a list of dicts)."""
+    """The shared main-job settings (``train``) and the compared runs (``runs``: name, compressor options)."""
     config = ml_collections.ConfigDict()
-    config.dataset = "cifar10"
-    config.model = "resnet20"
-    config.train_size = 50_000
-    config.epochs = 160
-    config.batch_size = 128  # global, split over the workers
-    config.lr = 0.1
-    config.momentum = 0.9
-    config.weight_decay = 1e-4
-    config.augment = True  # random_crop_flip(pad=4) of experiments.cifar10
-    config.warmup_steps = 0  # learning-rate warm-up
-    config.lr_before_compressor = False  # as the authors' code: the optimizer applies the learning rate
+    config.train = main_job.get_config()  # every key can be overridden: --config.train.epochs=1
+    config.train.update(dataset="cifar10", model="resnet20", epochs=160, batch_size=128, lr=0.1, momentum=0.9,
+                        weight_decay=1e-4, warmup_steps=0)
+    config.train.augment = True  # random_crop_flip(pad=4) of experiments.cifar10
+    config.train.lr_before_compressor = False  # as the authors' code: the optimizer applies the learning rate
+    config.seeds = (0,)
     config.runs = [
-        {"compressor": "identity"},  # dense baseline
-        {"compressor": "topk", "ratio": 0.001},  # gradient dropping
-        {"compressor": "dgc", "ratio": 0.001, "sparsity_warmup_epochs": 4, "sample_ratio": 0.01},
+        {"name": "baseline", "compressor": {"name": "identity"}},  # dense
+        {"name": "gradient dropping", "compressor": {"name": "topk", "ratio": 0.001}},
+        {"name": "DGC", "compressor": {"name": "dgc", "ratio": 0.001, "sample_ratio": 0.01},
+         "sparsity_warmup_epochs": 4},
     ]
     return config

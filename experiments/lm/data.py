@@ -1,15 +1,30 @@
 """Tiny Shakespeare (Karpathy's char-rnn corpus), character level: text, vocabulary, split and batches.
 
 The text: 1,115,394 ASCII characters, sha256
-``86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed``; every
-file read or downloaded is checked against it.  :func:`load_text` looks for it,
-in order: an explicit path; the environment variable
-``COMPJAX_TINYSHAKESPEARE``; ``shared/data/tinyshakespeare.txt`` beside the
-repository checkout (:data:`SHARED_PATH`, found from this package's location,
-not the working directory); the cache file :data:`CACHE_PATH`
-(``$COMPJAX_DATA/tinyshakespeare.txt``, default
-``~/.cache/compjax/tinyshakespeare.txt``); and otherwise downloads
-:data:`URL` into that cache.
+``86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed``.
+:func:`load_text` looks for it, in order:
+
+1. an explicit path (a file, or a folder holding ``tinyshakespeare.txt``);
+2. the environment variable ``COMPJAX_TINYSHAKESPEARE`` (same forms);
+3. ``shared/data/tinyshakespeare.txt`` beside the repository checkout
+   (:data:`SHARED_PATH`, found from this package's location, not the working
+   directory);
+4. the cache file :data:`CACHE_PATH` (``$COMPJAX_DATA/tinyshakespeare.txt``,
+   default ``~/.cache/compjax/tinyshakespeare.txt``).
+
+An explicit or environment path is used alone: when its file is missing, the
+text is downloaded to it; otherwise a missing text is downloaded from
+:data:`URL` into the cache.  Downloading is on by default (``download=True``);
+``download=False`` forbids it.  A download is written atomically (a ``.part``
+temp file, its sha256 checked, then renamed into place), so a failed or bad
+download leaves no file behind; a file on disk is checked whenever it is read.
+
+Errors: :class:`ChecksumError` (a ``ValueError``; the one of
+:mod:`experiments.data`) for a download or a file with the wrong sha256 (the
+URL or path, both digests, and for a file on disk the advice to delete it);
+:class:`DataUnavailable` (a ``FileNotFoundError`` with a one-line message, also
+from :mod:`experiments.data`) when the text is nowhere and could not be
+downloaded.
 
 Vocabulary: the sorted set of the characters of the whole text (65 of them:
 newline, space, punctuation, digits ``3``, letters), so a character's id is
@@ -28,67 +43,58 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from experiments.data import CACHE_ROOT, ChecksumError, DataUnavailable, fetch
+
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 ENV_VAR = "COMPJAX_TINYSHAKESPEARE"
 #: ``shared/data/tinyshakespeare.txt`` in the folder that holds the repository checkout (offline tests and CI).
 SHARED_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+#: The file name looked for in a folder given as the path.
+FILE_NAME = "tinyshakespeare.txt"
 #: The download cache (``$COMPJAX_DATA``, default ``~/.cache/compjax``, as the Fashion-MNIST loader).
-CACHE_PATH = Path(os.environ.get("COMPJAX_DATA", Path.home() / ".cache" / "compjax")) / "tinyshakespeare.txt"
+CACHE_PATH = CACHE_ROOT / FILE_NAME
 #: Fraction of the characters (from the start) in the training split.
 TRAIN_FRACTION = 0.9
 
 
-class ChecksumError(ValueError):
-    """A Tiny Shakespeare file's sha256 is not :data:`SHA256`."""
-
-
-def _check(raw: bytes, where: str) -> None:
+def _check(raw: bytes, where: str, hint: str = "") -> None:
     digest = hashlib.sha256(raw).hexdigest()
     if digest != SHA256:
-        raise ChecksumError(f"{where}: sha256 {digest} != expected {SHA256} (not the canonical Tiny Shakespeare)")
+        raise ChecksumError(f"{where}: sha256 {digest} != expected {SHA256} (not the canonical Tiny Shakespeare)"
+                            f"{hint}")
 
 
-def _download(dest: Path) -> bytes:
-    """Fetch :data:`URL`, check it, and write it to ``dest`` atomically (nothing is left on a mismatch)."""
-    with urllib.request.urlopen(URL, timeout=60) as response:
-        raw = response.read()
-    _check(raw, f"download of {URL}")  # before anything is written: a bad download leaves no file
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return raw
+def _explicit(path: str | os.PathLike | None) -> Path | None:
+    """The path given, else ``$COMPJAX_TINYSHAKESPEARE``; a folder means the file :data:`FILE_NAME` in it."""
+    if path is None:
+        path = os.environ.get(ENV_VAR) or None
+    if path is None:
+        return None
+    path = Path(path).expanduser()
+    return path / FILE_NAME if path.is_dir() else path
 
 
 def locate(path: str | os.PathLike | None = None) -> Path | None:
-    """The file :func:`load_text` would read, or None if it would have to download.
+    """The file :func:`load_text` would read (or download to), or None if it would download into the cache.
 
     Args:
-      path: an explicit file; returned as given (whether it exists or not).
+      path: an explicit file, or a folder (meaning its ``tinyshakespeare.txt``).
 
     Returns:
-      The first of ``path``, ``$COMPJAX_TINYSHAKESPEARE`` (as given),
-      :data:`SHARED_PATH` and :data:`CACHE_PATH` that is set (the first two) or
-      exists (the last two); None when none is.
+      The first of ``path``, ``$COMPJAX_TINYSHAKESPEARE`` (either one whether
+      its file exists or not), :data:`SHARED_PATH` and :data:`CACHE_PATH` that
+      is given (the first two) or exists (the last two); None when none is.
     """
-    if path is not None:
-        return Path(path)
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR])
+    explicit = _explicit(path)
+    if explicit is not None:
+        return explicit
     for cand in (SHARED_PATH, CACHE_PATH):
         if cand.is_file():
             return cand
@@ -99,12 +105,14 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
     """The Tiny Shakespeare text, its sha256 checked.
 
     Args:
-      path: read this file (no fallback).  Default: ``$COMPJAX_TINYSHAKESPEARE``
-        if set (no fallback either), else :data:`SHARED_PATH`, else
-        :data:`CACHE_PATH`, else download (see ``download``).
-      download: when no file is found, fetch :data:`URL` into
-        :data:`CACHE_PATH` (checked before it is written); False raises
-        instead.
+      path: read this file (or ``<folder>/tinyshakespeare.txt``), and nothing
+        else; download to it when it is missing.  Default:
+        ``$COMPJAX_TINYSHAKESPEARE`` if set (used the same way), else
+        :data:`SHARED_PATH`, else :data:`CACHE_PATH`, else download (see
+        ``download``) into :data:`CACHE_PATH`.
+      download: when the file is missing, fetch :data:`URL` (the default; the
+        sha256 is checked before the file is put in place); False raises
+        :class:`DataUnavailable` instead.
 
     Returns:
       The text, a ``str`` of 1,115,394 characters.
@@ -112,9 +120,11 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
     Raises:
       ChecksumError: (a ``ValueError``) the file's or the download's sha256
         differs from :data:`SHA256`; the message names the file or URL.  A bad
-        download is not written to the cache.
-      FileNotFoundError: an explicit or ``$COMPJAX_TINYSHAKESPEARE`` path that
-        does not exist, or no file found and ``download=False``.
+        download is not written; a bad file on disk is left as it is (the
+        message says to delete it).
+      DataUnavailable: (a ``FileNotFoundError``) the file is missing and could
+        not be downloaded, or ``download`` is False; a one-line message with
+        the reason and what to do.
 
     Examples:
       >>> from experiments.lm import data
@@ -123,16 +133,19 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
       (1115394, 'First Citizen:')
     """
     found = locate(path)
-    if found is None:
+    if found is None or not found.is_file():
+        dest = CACHE_PATH if found is None else found
+        looked = [SHARED_PATH, CACHE_PATH] if found is None else [found]
+        what = f"Tiny Shakespeare ({FILE_NAME})"
+        hints = ([f"put the file at {SHARED_PATH}", f"set {ENV_VAR}=FILE"] if found is None
+                 else [f"put the file at {found}"])
         if not download:
-            raise FileNotFoundError(
-                f"Tiny Shakespeare not found (set {ENV_VAR}, or put it at {SHARED_PATH} or {CACHE_PATH}); "
-                "pass download=True to fetch it"
-            )
-        raw = _download(CACHE_PATH)
-    else:
-        raw = found.read_bytes()  # FileNotFoundError names the path
-        _check(raw, str(found))
+            raise DataUnavailable(what, looked, None, hints, URL)
+        fetch(URL, dest, lambda part, where: _check(part.read_bytes(), where), what=what, looked=looked, hints=hints)
+        found = dest
+    raw = found.read_bytes()
+    _check(raw, str(found), "; the file is corrupt, truncated or not the canonical one: "
+                            "delete it and rerun to download it again")
     return raw.decode("utf-8")
 
 

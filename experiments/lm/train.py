@@ -234,8 +234,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the results dict as JSON")
+    ap.add_argument("--data", type=Path, default=None, help="the Tiny Shakespeare text (default: found or downloaded)")
+    ap.add_argument("--no-download", action="store_true", help="never download the text")
     args = ap.parse_args(argv)
-    res = train(lambda ax: optax.chain(cj.identity(axis_name=ax), optax.adamw(args.lr)),
+    try:
+        text = data.load_text(args.data, download=not args.no_download)
+    except (data.DataUnavailable, data.ChecksumError) as e:
+        raise SystemExit(str(e)) from None
+    res = train(lambda ax: optax.chain(cj.identity(axis_name=ax), optax.adamw(args.lr)), text=text,
                 model_config=args.model, steps=args.steps, workers=args.workers,
                 batch_per_worker=args.batch_per_worker, seq_len=args.seq_len, eval_every=args.eval_every,
                 eval_batches=args.eval_batches, seed=args.seed, log=lambda m: print(m, flush=True))

@@ -2,7 +2,13 @@
 
     python -m experiments.reproduce.bandwidth_table                 # full models (CPU, about a minute)
     python -m experiments.reproduce.bandwidth_table --audit         # also compile every program and check the bytes (slow)
-    python -m experiments.reproduce.bandwidth_table --small --out-dir /tmp/bw   # tiny models (tests)
+    python -m experiments.reproduce.bandwidth_table --small         # tiny models (tests)
+    python -m experiments.reproduce.bandwidth_table --publish       # the committed table
+
+The models, their iteration times, the networks and the worker counts are
+ml_collections config ``experiments/configs/bandwidth_table.py`` (``--config
+FILE`` names another; ``--config.KEY=VALUE`` overrides a key, e.g.
+``--config.workers=8,16``).
 
 Inputs:
 
@@ -26,9 +32,10 @@ Inputs:
   bytes, ring all-gather ``(n-1)`` x payload, ``Network.ethernet_1g`` and
   ``Network.ethernet_10g`` with their per-message latencies).
 
-Outputs ``bandwidth_table.md`` (tables), ``bandwidth_table.json`` (every number)
-and ``bandwidth_table.png`` (modelled step times) in ``--out-dir``
-(default ``experiments/results/reproduce``).
+Outputs ``bandwidth_table.md`` (tables), ``bandwidth_table.json`` (every number,
+the command, the full config and provenance) and ``bandwidth_table.png``
+(modelled step times) in ``runs/reproduce`` (git-ignored), with ``--publish``
+in ``experiments/results/reproduce`` (the committed table), or in ``--out-dir``.
 
 Settings: DGC with ``warmup_steps=0`` (the final 99.9% sparsity; its warm-up
 stages would put one exchange per stage into the program) and its default
@@ -55,6 +62,7 @@ import argparse
 import functools
 import json
 import math
+import shlex
 import time
 from pathlib import Path
 
@@ -68,21 +76,12 @@ import compjax as cj
 from compjax import collectives as cj_collectives
 from compjax import netmodel
 from compjax.accounting import Collective
-from experiments import imagenet_models
+from experiments import config_cli, imagenet_models, records
 
-RESULTS = Path(__file__).resolve().parent.parent / "results" / "reproduce"
 STEM = "bandwidth_table"
+PROG = "python -m experiments.reproduce.bandwidth_table"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / f"{STEM}.py"
 AXIS = "data"
-#: size of the abstract mesh the updates are traced on (the per-worker bytes do not depend on it).
-TRACE_WORKERS = 8
-
-#: (label, full model, small model for --small, the seed's iteration time in s on a 2080 Ti at batch 32,
-#: the seed's parameter count).
-MODELS = (
-    ("ResNet-18", "resnet18", "resnet18_tiny", 0.137, 11.69e6),
-    ("ResNet-50", "resnet50", "resnet50_tiny", 0.330, 24.46e6),
-    ("Swin-L", "swin_large", "swin_tiny", 0.940, 98.20e6),
-)
 
 #: name -> factory ``(axis_name) -> optax transformation``; pure compression (no non-finite vote).
 COMPRESSORS = {
@@ -99,9 +98,41 @@ COMPRESSORS = {
     "qsgd 256": lambda ax: cj.qsgd(256, key=0, axis_name=ax, skip_nonfinite=False),
 }
 BASELINE = "identity"
-NETWORKS = (netmodel.Network.ethernet_1g, netmodel.Network.ethernet_10g)
-WORKERS = (8, 64)
+#: the keys of each model of the config (see experiments/configs/bandwidth_table.py).
+MODEL_KEYS = ("label", "definition", "small", "compute_s", "seed_parameters")
+#: short names of network presets in the tables (others appear under their preset name).
 _SHORT = {"ethernet_1g": "1 GbE", "ethernet_10g": "10 GbE"}
+
+
+def networks(config) -> tuple[netmodel.Network, ...]:
+    """The config's :class:`compjax.netmodel.Network` presets."""
+    return tuple(netmodel.Network.presets()[name] for name in config.networks)
+
+
+def check(config) -> None:
+    """One-line ``SystemExit`` for a config the table cannot be built from."""
+    presets = netmodel.Network.presets()
+
+    def fail(key, what):
+        raise SystemExit(f"{PROG}: --config.{key}={config_cli.get(config, key)!r}: {what}")
+
+    def count(n, least):
+        return isinstance(n, int) and not isinstance(n, bool) and n >= least
+
+    if not config.networks or any(n not in presets for n in config.networks):
+        fail("networks", f"each must be one of {', '.join(presets)}")
+    if not config.workers or not all(count(n, 2) for n in config.workers):
+        fail("workers", "each must be an integer >= 2")
+    if not count(config.trace_workers, 1):
+        fail("trace_workers", "must be >= 1")
+    for m in config.models:
+        if not isinstance(m, dict) or set(MODEL_KEYS) - set(m):
+            raise SystemExit(f"{PROG}: --config.models: each model is a dict with the keys {', '.join(MODEL_KEYS)}")
+        for key in ("definition", "small"):
+            if m[key] not in imagenet_models.MODELS:
+                raise SystemExit(f"{PROG}: --config.models: {m['label']!r}: {key} {m[key]!r} is none of "
+                                 f"{', '.join(sorted(imagenet_models.MODELS))}")
+
 
 # --------------------------------------------------------------------------- bytes from the traced program
 
@@ -165,7 +196,7 @@ def _program(tx, shapes, mesh):
     return fn, (stacked(shapes), stacked(state))
 
 
-def trace_collectives(tx, shapes, workers: int = TRACE_WORKERS) -> list[Collective]:
+def trace_collectives(tx, shapes, workers: int = 8) -> list[Collective]:
     """The collectives one step of ``tx.update`` issues on gradients shaped like ``shapes`` (traced, not run).
 
     ``tx`` must use ``axis_name="data"``.  The update runs under ``jax.shard_map``
@@ -203,11 +234,12 @@ def _by_kind(ops) -> dict[str, int]:
 
 
 @functools.cache
-def step_collectives(compressor: str, model: str, check_audit: bool = False) -> tuple[Collective, ...]:
+def step_collectives(compressor: str, model: str, check_audit: bool = False,
+                     trace_workers: int = 8) -> tuple[Collective, ...]:
     """Traced collectives of ``compressor`` on ``model``'s gradients (cached per pair)."""
     tx = COMPRESSORS[compressor](AXIS)
     shapes = imagenet_models.param_shapes(model)
-    ops = trace_collectives(tx, shapes)
+    ops = trace_collectives(tx, shapes, trace_workers)
     if check_audit:
         audited = audit(tx, shapes)
         if _by_kind(audited) != _by_kind(ops):
@@ -222,20 +254,22 @@ def _finite(x):
     return x if isinstance(x, (int, str)) or math.isfinite(x) else None
 
 
-def compute(small: bool = False, check_audit: bool = False) -> dict:
+def compute(config, small: bool = False, check_audit: bool = False) -> dict:
     """Every number of the table: models, the dense all-reduce's hiding bandwidths, compressor rows."""
     no_latency = netmodel.Network(1.0, 0.0, "no latency")
+    nets, workers = networks(config), tuple(config.workers)
     models, dense, summary, rows = [], [], [], []
-    for label, full, tiny, compute_s, seed_count in MODELS:
-        name = tiny if small else full
+    for m in config.models:
+        label, compute_s = m["label"], m["compute_s"]
+        name = m["small"] if small else m["definition"]
         shapes = imagenet_models.param_shapes(name)
         params = imagenet_models.count_params(shapes)
         models.append({"model": label, "definition": name, "parameters": params, "leaves": len(jax.tree.leaves(shapes)),
-                       "seed_parameters": None if small else seed_count, "compute_s": compute_s})
-        steps = {c: list(step_collectives(c, name, check_audit)) for c in COMPRESSORS}
-        for n in WORKERS:
+                       "seed_parameters": None if small else m["seed_parameters"], "compute_s": compute_s})
+        steps = {c: list(step_collectives(c, name, check_audit, config.trace_workers)) for c in COMPRESSORS}
+        for n in workers:
             rec = {"model": label, "workers": n, "dense_bytes": sum(c.bytes for c in steps[BASELINE])}
-            for net in (no_latency, *NETWORKS):
+            for net in (no_latency, *nets):
                 p = netmodel.predict_step(steps[BASELINE], n, net, compute_s)
                 rec[f"hiding_bandwidth[{net.name}]"] = _finite(p.hiding_bandwidth)
             dense.append(rec)
@@ -247,11 +281,15 @@ def compute(small: bool = False, check_audit: bool = False) -> dict:
                 "model": label, "compressor": comp, "bytes": nbytes, "ratio": base_bytes / nbytes,
                 "collectives": [[c.op, c.bytes] for c in ops], "bytes_by_kind": kinds,
                 **{f"hiding_bandwidth[n={n}]": _finite(netmodel.predict_step(ops, n, no_latency, compute_s).hiding_bandwidth)
-                   for n in WORKERS},
+                   for n in workers},
             })
-        for r in netmodel.compare(steps, WORKERS, NETWORKS, compute_s, baseline=BASELINE):
+        for r in netmodel.compare(steps, workers, nets, compute_s, baseline=BASELINE):
             rows.append({"model": label, **{k: _finite(v) for k, v in r.items()}})
     return {"models": models, "dense": dense, "compressors": summary, "rows": rows}
+
+
+def _network_names(res: dict) -> list[str]:
+    return [n["name"] for n in res["meta"]["networks"]]
 
 
 def _gbit(bps) -> str:
@@ -284,7 +322,7 @@ def _clears(res: dict) -> str:
     """Which all-gather compressors' ratios (smallest over the models) exceed n/2 at which n."""
     groups: dict[tuple, list[str]] = {}
     for c, ratio in _gathering(res).items():
-        groups.setdefault(tuple(n for n in WORKERS if ratio > n / 2), []).append(f"{c} ({ratio:.3g}×)")
+        groups.setdefault(tuple(n for n in res["meta"]["workers"] if ratio > n / 2), []).append(f"{c} ({ratio:.3g}×)")
     parts = []
     for ns, names in sorted(groups.items(), key=lambda kv: -len(kv[0])):
         where = f"at {' and '.join(map(str, ns))} workers" if ns else "at neither"
@@ -295,18 +333,18 @@ def _clears(res: dict) -> str:
 def _slower(res: dict) -> list[str]:
     """Per network and n: the compressors slower than the baseline (no overlap), per model when they differ."""
     lines = []
-    for net in NETWORKS:
-        for n in WORKERS:
+    for net in _network_names(res):
+        for n in res["meta"]["workers"]:
             per_model = {}
             for m in res["models"]:
                 per_model[m["model"]] = [r["compressor"] for r in res["rows"] if r["model"] == m["model"]
-                                         and r["network"] == net.name and r["workers"] == n and r["speedup"] < 1]
+                                         and r["network"] == net and r["workers"] == n and r["speedup"] < 1]
             lists = {", ".join(v) or "none" for v in per_model.values()}
             if len(lists) == 1:
                 what = f"{lists.pop()} (every model)"
             else:
                 what = "; ".join(f"{k}: {', '.join(v) or 'none'}" for k, v in per_model.items())
-            lines.append(f"- {_SHORT[net.name]}, {n} workers: {what}.")
+            lines.append(f"- {_SHORT.get(net, net)}, {n} workers: {what}.")
     return lines
 
 
@@ -315,7 +353,7 @@ def _notes(res: dict) -> list[str]:
         ("AR: all-reduce, AG: all-gather. Per worker, a ring all-reduce of `b` bytes moves `2(n-1)/n · b` and a ring "
         "all-gather of a `b`-byte payload moves `(n-1) · b`, so on bandwidth an all-gather compressor beats the dense "
         "all-reduce only when its compression ratio exceeds `n/2`: "
-        f"{' and '.join(f'{n // 2} at {n} workers' for n in WORKERS)}. "
+        f"{' and '.join(f'{n // 2} at {n} workers' for n in res['meta']['workers'])}. "
         f"{_clears(res)} The all-reduced compressors ({', '.join(_all_reduced(res))}) keep their advantage at any n."),
         "",
         "Slower than the dense all-reduce (no overlap):",
@@ -341,19 +379,22 @@ def _notes(res: dict) -> list[str]:
 def markdown(res: dict) -> str:
     """The markdown report of :func:`compute`'s result."""
     meta = res["meta"]
+    workers, nets = meta["workers"], _network_names(res)
+    command = res.get("command", PROG + (" --small" if meta["small"] else ""))
+    net_text = ", ".join(f"`Network.{n['name']}` = {n['bandwidth'] * 8 / 1e9:g} Gbit/s, {n['latency'] * 1e6:g} µs"
+                         + (" per message" if i == 0 else "") for i, n in enumerate(meta["networks"]))
     out = [
         "# Bandwidth table: dense all-reduce vs gradient compressors on ImageNet models",
         "",
-        (f"Regenerate: `python -m experiments.reproduce.bandwidth_table{' --small' if meta['small'] else ''}` "
+        (f"Regenerate: `{command}` "
         f"({meta['run_s']:.0f} s on {meta['backend']}, compjax {meta['compjax']}, JAX {meta['jax']})."),
         "",
         ("Compute times are the seed's iteration times (RTX 2080 Ti, batch 32). Bytes are what one worker puts into "
         "the step's collectives, traced from each compressor's `update` on gradients shaped like the model "
         "(`skip_nonfinite=False`); the ratio is the dense float32 all-reduce's bytes over them. Times come from "
         "`compjax.netmodel`: ring all-reduce (`2(n-1)` messages of `b/n`), ring all-gather (`n-1` messages of the "
-        "whole payload `b`), one collective after another; `Network.ethernet_1g` = 1 Gbit/s, 50 µs per message, "
-        "`Network.ethernet_10g` = 10 Gbit/s, 20 µs. \"No overlap\" = compute + communication; \"overlap\" = "
-        "max(compute, communication), communication perfectly hidden behind the backward pass."),
+        f"whole payload `b`), one collective after another; {net_text}. \"No overlap\" = compute + communication; "
+        "\"overlap\" = max(compute, communication), communication perfectly hidden behind the backward pass."),
         "",
         "## Models",
         "",
@@ -371,15 +412,16 @@ def markdown(res: dict) -> str:
         ("Link bandwidth (Gbit/s) at which the ring all-reduce of the float32 gradient takes exactly the iteration "
         "time: below it, communication is the bottleneck even with perfect overlap."),
         "",
-        "| model | workers | fp32 gradient (MB) | no latency | α = 50 µs (1 GbE) | α = 20 µs (10 GbE) |",
-        "|---|---|---|---|---|---|",
+        "| model | workers | fp32 gradient (MB) | no latency | "
+        + " | ".join(f"α = {n['latency'] * 1e6:g} µs ({_SHORT.get(n['name'], n['name'])})" for n in meta["networks"])
+        + " |",
+        "|---|---|---|---|" + "---|" * len(nets),
     ]
     for d in res["dense"]:
         out.append(f"| {d['model']} | {d['workers']} | {d['dense_bytes'] / 1e6:.1f} | "
-                   f"{_gbit(d['hiding_bandwidth[no latency]'])} | {_gbit(d['hiding_bandwidth[ethernet_1g]'])} | "
-                   f"{_gbit(d['hiding_bandwidth[ethernet_10g]'])} |")
+                   f"{_gbit(d['hiding_bandwidth[no latency]'])} | "
+                   + " | ".join(_gbit(d[f"hiding_bandwidth[{net}]"]) for net in nets) + " |")
     rows = {(r["model"], r["compressor"], r["network"], r["workers"]): r for r in res["rows"]}
-    nets = [n.name for n in NETWORKS]
     for m in res["models"]:
         label = m["model"]
         out += [
@@ -390,17 +432,17 @@ def markdown(res: dict) -> str:
             "`identity` without overlap. \"Hides at\": the bandwidth (Gbit/s, no latency) at which the step's "
             "communication takes the iteration time."),
             "",
-            "| compressor | collectives | bytes/step/worker | ratio | hides at, n=8 / 64 (Gbit/s) | "
-            + " | ".join(f"{_SHORT[net]}, n={n}" for net in nets for n in WORKERS) + " |",
-            "|---|---|---|---|---|" + "---|" * (len(nets) * len(WORKERS)),
+            f"| compressor | collectives | bytes/step/worker | ratio | hides at, n={' / '.join(map(str, workers))} "
+            "(Gbit/s) | " + " | ".join(f"{_SHORT.get(net, net)}, n={n}" for net in nets for n in workers) + " |",
+            "|---|---|---|---|---|" + "---|" * (len(nets) * len(workers)),
         ]
         for s in (s for s in res["compressors"] if s["model"] == label):
             cells = []
             for net in nets:
-                for n in WORKERS:
+                for n in workers:
                     r = rows[(label, s["compressor"], net, n)]
                     cells.append(f"{r['no_overlap_s'] * 1e3:,.0f} / {r['overlap_s'] * 1e3:,.0f} ({r['speedup']:.2f}×)")
-            hides = " / ".join(_gbit(s[f"hiding_bandwidth[n={n}]"]) for n in WORKERS)
+            hides = " / ".join(_gbit(s[f"hiding_bandwidth[n={n}]"]) for n in workers)
             out.append(f"| {s['compressor']} | {_kinds(s['collectives'])} | {s['bytes']:,} | {s['ratio']:.1f}× | "
                        f"{hides} | " + " | ".join(cells) + " |")
     out += ["", "## Reading the table", "", *_notes(res), ""]
@@ -416,7 +458,7 @@ def plot(res: dict, path: Path) -> None:
 
     models = res["models"]
     comps = list(COMPRESSORS)
-    configs = [(net.name, n) for net in NETWORKS for n in WORKERS]
+    configs = [(net, n) for net in _network_names(res) for n in res["meta"]["workers"]]
     fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.6 * len(models)), squeeze=False)
     rows = {(r["model"], r["compressor"], r["network"], r["workers"]): r for r in res["rows"]}
     width = 0.8 / len(configs)
@@ -424,7 +466,7 @@ def plot(res: dict, path: Path) -> None:
         for j, (net, n) in enumerate(configs):
             ys = [rows[(m["model"], c, net, n)]["no_overlap_s"] * 1e3 for c in comps]
             xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(comps))]
-            ax.bar(xs, ys, width, label=f"{_SHORT[net]}, {n} workers")
+            ax.bar(xs, ys, width, label=f"{_SHORT.get(net, net)}, {n} workers")
         ax.axhline(m["compute_s"] * 1e3, color="k", ls="--", lw=1, label="compute only")
         ax.set_yscale("log")
         ax.set_xticks(range(len(comps)), comps, rotation=20)
@@ -439,23 +481,33 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where bandwidth_table.{md,json,png} go")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_args, rest = config_cli.split_config_args(argv)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/bandwidth_table.py); "
+                   "--config.KEY=VALUE overrides a key, e.g. --config.workers=8,16")
+    records.add_output_arguments(p, "reproduce")
     p.add_argument("--small", action="store_true", help="tiny models of the same families (tests)")
     p.add_argument("--audit", action="store_true",
                    help="also compile each program and check its collectives' bytes against the trace (slow)")
-    args = p.parse_args(argv)
+    args = p.parse_args(rest)
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    check(config)
+    out_dir = records.output_dir(args, "reproduce")
+    command = shlex.join([*PROG.split(), *argv])
     t0 = time.perf_counter()
-    res = compute(small=args.small, check_audit=args.audit)
+    res = compute(config, small=args.small, check_audit=args.audit)
     res["meta"] = {"small": args.small, "audited": args.audit, "run_s": time.perf_counter() - t0,
                    "backend": jax.default_backend(), "jax": jax.__version__, "compjax": cj.__version__,
-                   "trace_workers": TRACE_WORKERS, "workers": list(WORKERS),
-                   "networks": [n._asdict() for n in NETWORKS]}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{STEM}.json").write_text(json.dumps(res, indent=1) + "\n")
-    (args.out_dir / f"{STEM}.md").write_text(markdown(res))
-    plot(res, args.out_dir / f"{STEM}.png")
+                   "trace_workers": config.trace_workers, "workers": list(config.workers),
+                   "networks": [n._asdict() for n in networks(config)]}
+    res["command"], res["config"], res["provenance"] = command, config.to_dict(), records.provenance(command)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{STEM}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out_dir / f"{STEM}.md").write_text(markdown(res))
+    plot(res, out_dir / f"{STEM}.png")
     print(markdown(res))
+    print(f"wrote {out_dir / STEM}.{{md,json,png}}")
     return res
 
 

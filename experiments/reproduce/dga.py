@@ -1,14 +1,16 @@
 """Delayed Gradient Averaging (Zhu et al., NeurIPS 2021) in shape: accuracy and modeled wall-clock time vs delay.
 
     python -m experiments.reproduce.dga                       # Fashion-MNIST CNN, 8 workers, D = 0, 2, 5, 10, 20
-    python -m experiments.reproduce.dga --report-only --readme README.md   # table + plot from the records
+    python -m experiments.reproduce.dga --config.train.epochs=1 --delays 0,5   # shorter
+    python -m experiments.reproduce.dga --publish --report-only --readme README.md   # the committed table
 
-One main-job run (:mod:`experiments.train`, ``--compressor dga``) per delay,
-with the settings of :mod:`experiments.configs.dga_fashion_mnist_cnn`; delay 0
-is synchronous data-parallel SGD.  Records go under
-``experiments/results/reproduce/dga/``, the table to
-``experiments/results/reproduce/dga_fashion_mnist_cnn.md`` and the
-accuracy-vs-time plot beside it.
+One main-job run (:func:`experiments.train.run_config`, compressor ``dga``) per
+delay, with the settings of ``experiments/configs/dga_fashion_mnist_cnn.py``
+(``train``: the main-job config of every run); delay 0 is synchronous
+data-parallel SGD.  Records go under ``<out>/dga/``, the table to
+``<out>/dga_fashion_mnist_cnn.md`` and the accuracy-vs-time plot beside it,
+where ``<out>`` is ``runs/reproduce`` (git-ignored), or with ``--publish``
+``experiments/results/reproduce`` (the committed results).
 
 **The time model** (printed with the table), per step of ``n = 8`` workers on the
 network preset (WAN: Mumbai–San Francisco):
@@ -35,32 +37,31 @@ The modeled run time is the number of steps times the step time.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
-from experiments import train  # first: it asks for 8 simulated CPU devices before JAX starts
-from experiments.reproduce.dgc import read_records
+from experiments import config_cli, records, train  # train first: 8 simulated CPU devices before JAX starts
+from experiments.reproduce.dgc import _flat, read_records
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results" / "reproduce"
-CONFIG = "experiments.configs.dga_fashion_mnist_cnn"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dga_fashion_mnist_cnn.py"
+PROG = "python -m experiments.reproduce.dga"
 NAME = "dga_fashion_mnist_cnn"
 WORKERS = 8
 
 
-def load_config():
-    """The ``ml_collections.ConfigDict`` of the reproduction."""
-    return importlib.import_module(CONFIG).get_config()
+def load_config(overrides=()):
+    """The ``ml_collections.ConfigDict`` of the reproduction, with ``--config.KEY=VALUE`` ``overrides``."""
+    return config_cli.load(DEFAULT_CONFIG, list(overrides), prog=PROG)
 
 
-def run_args(config, delay: int) -> list[str]:
-    """Main-job arguments of the run with ``delay``."""
-    argv = ["--compressor", "dga", "--delay", str(delay), "--inner", config.inner, "--epochs", str(config.epochs),
-            "--batch-size", str(config.batch_size), "--lr", str(config.lr), "--momentum", str(config.momentum),
-            "--warmup-steps", str(config.warmup_steps)]
-    return argv + ([] if config.skip_nonfinite else ["--no-skip-nonfinite"])
+def run_config(config, delay: int):
+    """The main-job config of the run with ``delay``: ``config.train`` with ``compressor.delay = delay``."""
+    cfg = train.default_config()
+    cfg.update_from_flattened_dict(_flat(config.train))
+    cfg.compressor.delay = delay
+    return cfg
 
 
 def audited_and_compute(config, delay: int, workers: int = WORKERS):
@@ -74,21 +75,21 @@ def audited_and_compute(config, delay: int, workers: int = WORKERS):
     import numpy as np
 
     from compjax import audit_collectives, netmodel, parallel
-    from experiments import compressors, models, train
+    from experiments import models, trainer
 
-    args = train.parse_args(run_args(config, delay) + ["--no-progress"])
+    cfg = run_config(config, delay)
     params, _, loss_fn = models.build(0, model="cnn")
     mesh = parallel.make_mesh(workers)
-    steps = 60_000 // config.batch_size * config.epochs
-    compressor, _ = compressors.build(args, "data", skip_nonfinite=False)
-    tx = train.guard(args, train.transform(args, compressor, steps), "data")  # no guard with --no-skip-nonfinite
+    steps = 60_000 // cfg.batch_size * cfg.epochs
+    compressor, _ = trainer.build_compressor(cfg, "data")
+    tx = trainer.guard(cfg, trainer.transform(cfg, compressor, steps), "data")  # no guard: skip_nonfinite off
     step = parallel.data_parallel_step(loss_fn, tx, mesh)
     rng = np.random.default_rng(0)
-    x = rng.random((config.batch_size, 28, 28, 1), np.float32)
-    y = rng.integers(0, 10, config.batch_size)
+    x = rng.random((cfg.batch_size, 28, 28, 1), np.float32)
+    y = rng.integers(0, 10, cfg.batch_size)
     ops = audit_collectives(step, parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh),
                             parallel.shard_batch((x, y), mesh))
-    local = (x[: config.batch_size // workers], y[: config.batch_size // workers])
+    local = (x[: cfg.batch_size // workers], y[: cfg.batch_size // workers])
     compute_s = netmodel.measure_compute_time(jax.jit(jax.grad(loss_fn)), params, local, repeats=20)
     return ops, compute_s
 
@@ -120,7 +121,7 @@ def table(rows: list[dict], network_name: str, compute_s: float) -> str:
             f"| {r['delay']} | {100 * r['accuracy']:.2f}% | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
             f"{r['bytes']:,} | {1e3 * r['comm']:.1f} | {1e3 * r['paper']:.1f} | {r['paper'] * r['steps']:.0f} | "
             f"{base['paper'] / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {base['in_step'] / r['in_step']:.2f}× | "
-            f"{r['epochs']} | {r['steps']} |"
+            f"{r['epochs']:g} | {r['steps']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -153,24 +154,27 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    config_args, rest = config_cli.split_config_args(argv)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/dga_fashion_mnist_cnn.py); "
+                   "--config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    records.add_output_arguments(p, "reproduce")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
-    p.add_argument("--train-args", default="", help="extra main-job arguments, e.g. '--max-steps 5'")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(argv)
-    config = load_config()
+    args = p.parse_args(rest)
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    out_dir = records.output_dir(args, "reproduce")
     from compjax import netmodel
 
     network = netmodel.Network.presets()[config.network]
     delays = [int(d) for d in args.delays.split(",")] if args.delays else list(config.delays)
-    record_dir = args.out_dir / "dga"
+    record_dir = out_dir / "dga"
     record_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for d in delays:
-            train.main(run_args(config, d) + args.train_args.split()
-                       + ["--out", str(record_dir / f"delay{d}.jsonl"), "--no-progress"])
+            train.run_config(run_config(config, d), out=record_dir / f"delay{d}.jsonl",
+                             command=shlex.join([*PROG.split(), *argv]))
     rows, audits, compute_s = [], {}, None
     for d in sorted(config.delays):
         path = record_dir / f"delay{d}.jsonl"
@@ -187,15 +191,15 @@ def main(argv=None) -> list[dict]:
         ops = audits[d]
         times = model_step(ops, d, network, compute_s)
         rows.append({"delay": d, "accuracy": summary["test_accuracy"], "bytes": summary["payload_bytes_per_step"],
-                     "steps": summary["steps"], "epochs": len(epochs), **times})
+                     "steps": summary["steps"], "epochs": summary.get("epochs_run", len(epochs)), **times})
     if not any(r["delay"] == 0 for r in rows):
         raise SystemExit(f"no record of the delay-0 run under {record_dir}")
     text = table(rows, config.network, compute_s)
-    (args.out_dir / f"{NAME}.md").write_text(
+    (out_dir / f"{NAME}.md").write_text(
         f"<!-- generated by: python -m experiments.reproduce.dga (--report-only rebuilds it) -->\n{text}")
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
-                                                           "rows": rows}, indent=1))
-    plot(rows, args.out_dir / f"{NAME}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers")
+    (out_dir / f"{NAME}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
+                                                           "rows": rows, "config": config.to_dict()}, indent=1))
+    plot(rows, out_dir / f"{NAME}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers")
     if args.readme:
         from experiments.results_table import update_readme
 

@@ -1,9 +1,10 @@
 """Reproduce Deep Gradient Compression (Lin et al., ICLR 2018) in shape: baseline vs gradient dropping vs DGC.
 
-    python -m experiments.reproduce.dgc                      # Fashion-MNIST CNN, 8 workers (CPU: ~10 minutes)
+    python -m experiments.reproduce.dgc                      # Fashion-MNIST CNN, 8 workers (CPU: ~15 minutes)
     python -m experiments.reproduce.dgc --seeds 1            # a second seed; the table averages the seeds found
-    python -m experiments.reproduce.dgc --report-only --readme README.md   # table + plot from the records
-    python -m experiments.reproduce.dgc --config cifar10_resnet20   # ResNet-20 on CIFAR-10 (for GPUs)
+    python -m experiments.reproduce.dgc --config.train.epochs=1   # any main-job key, for every run
+    python -m experiments.reproduce.dgc --config experiments/configs/dgc_cifar10_resnet20.py   # for GPUs
+    python -m experiments.reproduce.dgc --publish --report-only --readme README.md   # the committed table
 
 Three runs of the main job (:mod:`experiments.train`) with the same data, model,
 learning-rate schedule and seed:
@@ -15,12 +16,15 @@ learning-rate schedule and seed:
   masking, sampled threshold, and the sparsity warm-up (75% ... 99.6% over the
   config's ``sparsity_warmup_epochs``), plain SGD after it.
 
-The settings live in :mod:`experiments.configs` (``dgc_fashion_mnist_cnn``,
-``dgc_cifar10_resnet20``).
+The settings live in config files (``experiments/configs/dgc_fashion_mnist_cnn.py``,
+``dgc_cifar10_resnet20.py``): ``train``, the main-job config shared by the
+runs, and ``runs``, a list of (name, compressor options); every run is a
+main-job config, trained by :func:`experiments.train.run_config`.
 
-Writes the JSONL records under ``experiments/results/reproduce/dgc/<config>/``,
-a markdown table ``experiments/results/reproduce/dgc_<config>.md`` and the
-accuracy curves ``experiments/results/reproduce/dgc_<config>.png``.  Bytes are
+Writes the JSONL records under ``<out>/dgc/<config>/``, a markdown table
+``<out>/dgc_<config>.md`` and the accuracy curves ``<out>/dgc_<config>.png``,
+where ``<out>`` is ``runs/reproduce`` (git-ignored), or with ``--publish``
+``experiments/results/reproduce`` (the committed results).  Bytes are
 counted as sent: int32 indices and float32 values, per worker per step, read
 from the compressors' ``payload_bytes`` (which the tests check against the
 compiled program).  The table gives the compression ratio twice: at the final
@@ -31,55 +35,57 @@ the whole run (warm-up included).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results" / "reproduce"
+import ml_collections
 
-#: config name -> module with ``get_config()`` (:mod:`experiments.configs`).
-CONFIGS = {
-    "fashion_mnist_cnn": "experiments.configs.dgc_fashion_mnist_cnn",
-    "cifar10_resnet20": "experiments.configs.dgc_cifar10_resnet20",
-}
-#: the compared runs' names, in the config's order.
-NAMES = {"identity": "baseline", "topk": "gradient dropping", "dgc": "DGC"}
+from experiments import config_cli, records, train
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIGS / "dgc_fashion_mnist_cnn.py"
+PROG = "python -m experiments.reproduce.dgc"
 
 
-def load_config(name: str):
-    """The ``ml_collections.ConfigDict`` of config ``name``."""
-    return importlib.import_module(CONFIGS[name]).get_config()
+def load_config(path: str | Path = DEFAULT_CONFIG, overrides=()) -> ml_collections.ConfigDict:
+    """The reproduction's config: the file ``path`` with ``--config.KEY=VALUE`` ``overrides``."""
+    return config_cli.load(path, [f"--config={path}", *overrides], prog=PROG)
 
 
-def train_args(config) -> list[str]:
-    """Main-job arguments shared by every run of ``config``."""
-    argv = ["--dataset", config.dataset, "--model", config.model, "--epochs", str(config.epochs),
-            "--batch-size", str(config.batch_size), "--lr", str(config.lr), "--momentum", str(config.momentum),
-            "--weight-decay", str(config.weight_decay), "--warmup-steps", str(config.warmup_steps)]
-    argv += ["--augment"] if config.augment else []
-    return argv + (["--lr-before-compressor"] if config.get("lr_before_compressor") else [])
+def tag(path: str | Path) -> str:
+    """The name of a config's outputs: ``dgc_fashion_mnist_cnn.py`` -> ``fashion_mnist_cnn``."""
+    return Path(str(path).split(":", 1)[0]).stem.removeprefix("dgc_")
 
 
-def runs(config) -> dict[str, list[str]]:
-    """The compared runs: name -> main-job arguments of the compressor.
+def runs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDict]:
+    """The compared runs: name -> the main-job config of that run (``config.train`` with the run's compressor).
 
-    DGC's ``sparsity_warmup_epochs`` becomes ``--sparsity-warmup-steps``
-    (epochs x ``train_size // batch_size`` steps).
+    A run's ``sparsity_warmup_epochs`` becomes DGC's ``sparsity_warmup_steps``
+    (epochs x steps per epoch of the training set, ``train_limit`` images if set).
     """
-    steps_per_epoch = config.train_size // config.batch_size
+    train_size = config.train.train_limit or {"fashion_mnist": 60_000, "cifar10": 50_000}[config.train.dataset]
+    steps_per_epoch = train_size // config.train.batch_size
     out = {}
     for run in config.runs:
-        run = dict(run)
-        comp = run.pop("compressor")
-        argv = ["--compressor", comp]
+        cfg = train.default_config()
+        cfg.update_from_flattened_dict(_flat(config.train))
+        cfg.compressor.update(run["compressor"])
         if "sparsity_warmup_epochs" in run:
-            run["sparsity_warmup_steps"] = round(run.pop("sparsity_warmup_epochs") * steps_per_epoch)
-        for k, v in run.items():
-            flag = f"--{k.replace('_', '-')}"
-            argv += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
-        out[NAMES.get(comp, comp)] = argv
+            cfg.compressor.sparsity_warmup_steps = round(run["sparsity_warmup_epochs"] * steps_per_epoch)
+        out[run["name"]] = cfg
+    return out
+
+
+def _flat(config) -> dict:
+    """``{"a.b": value}`` of a ConfigDict's leaves."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update({f"{k}.{kk}": vv for kk, vv in _flat(v).items()})
+        else:
+            out[k] = v
     return out
 
 
@@ -108,6 +114,19 @@ def record_path(record_dir: Path, name: str, seed: int) -> Path:
 Results = dict[str, list[tuple[list[dict], dict]]]  # run name -> [(epoch records, summary)] per seed
 
 
+def load_results(record_dir: Path, names: list[str]) -> Results:
+    """The records of runs ``names`` under ``record_dir``, every seed found (runs without a summary left out)."""
+    results: Results = {}
+    for name in names:
+        for path in sorted(record_dir.glob(f"{slug(name)}*.jsonl")):
+            if path.stem != slug(name) and not path.stem.startswith(f"{slug(name)}_seed"):
+                continue
+            epochs, summary = read_records(path)
+            if summary is not None:
+                results.setdefault(name, []).append((epochs, summary))
+    return results
+
+
 def table(results: Results) -> str:
     """Markdown table of the runs: mean test accuracy over the seeds found, deltas against the baseline's mean."""
     def mean_acc(runs):
@@ -130,9 +149,15 @@ def table(results: Results) -> str:
         last, mean, dense = s["payload_bytes_per_step"], s["payload_bytes_mean_per_step"], s["dense_bytes_per_step"]
         lines.append(
             f"| {name} | {c['compressor']}: {opts} | {100 * acc:.2f}% | {per_seed} | {delta} | {last:,} | "
-            f"{dense / last:.1f}× | {mean:,.0f} | {dense / mean:.1f}× | {c['epochs']} | {s['wall_s']:.0f} |"
+            f"{dense / last:.1f}× | {mean:,.0f} | {dense / mean:.1f}× | {epochs_run(s)} | {s['wall_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def epochs_run(summary: dict) -> str:
+    """The epochs a run really trained (``--max-steps`` stops early): ``"10"``, or ``"0.05 (12 steps)"``."""
+    done = summary.get("epochs_run", summary["config"]["epochs"])
+    return f"{done:g}" if done == int(done) else f"{done:.2f} ({summary.get('steps_taken', summary['steps'])} steps)"
 
 
 def plot(results: Results, path: Path, title: str) -> None:
@@ -159,51 +184,51 @@ def plot(results: Results, path: Path, title: str) -> None:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="fashion_mnist_cnn", choices=sorted(CONFIGS))
+    config_args, rest = config_cli.split_config_args(argv)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/dgc_fashion_mnist_cnn.py; "
+                   "experiments/configs/dgc_cifar10_resnet20.py for CIFAR-10); --config.KEY=VALUE overrides a key, "
+                   "e.g. --config.train.epochs=1 for every run")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    records.add_output_arguments(p, "reproduce")
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. DGC")
-    p.add_argument("--train-args", default="", help="extra main-job arguments, e.g. '--max-steps 5'")
     p.add_argument("--readme", type=Path, default=None, help="also replace the results:dgc_<config> block of this file")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds to run (the table averages all it finds)")
-    args = p.parse_args(argv)
-    config = load_config(args.config)
-    record_dir = args.out_dir / "dgc" / args.config
+    p.add_argument("--seeds", default=None, help="comma-separated seeds to run (default: the config's seeds); "
+                   "the table averages every seed it finds")
+    args = p.parse_args(rest)
+    path = next((a.split("=", 1)[1] for a in config_args if a.startswith("--config=")), str(DEFAULT_CONFIG))
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    name = tag(path)
+    out_dir = records.output_dir(args, "reproduce")
+    record_dir = out_dir / "dgc" / name
     record_dir.mkdir(parents=True, exist_ok=True)
     todo = runs(config)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if unknown := only - set(todo):
+        raise SystemExit(f"--only {args.only}: no run named {sorted(unknown)}; runs: {', '.join(todo)}")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else list(config.seeds)
     if not args.report_only:
-        from experiments import train
-
-        for seed in [int(x) for x in args.seeds.split(",")]:
-            for name, comp_args in todo.items():
-                if only and name not in only:
+        for seed in seeds:
+            for run_name, cfg in todo.items():
+                if only and run_name not in only:
                     continue
-                out = record_path(record_dir, name, seed)
-                train.main(train_args(config) + comp_args + ["--seed", str(seed)] + args.train_args.split()
-                           + ["--out", str(out), "--no-progress"])
-    results: Results = {}
-    for name in todo:
-        for path in sorted(record_dir.glob(f"{slug(name)}*.jsonl")):
-            if path.stem != slug(name) and not path.stem.startswith(f"{slug(name)}_seed"):
-                continue
-            epochs, summary = read_records(path)
-            if summary is not None:
-                results.setdefault(name, []).append((epochs, summary))
+                cfg.seed = seed
+                train.run_config(cfg, out=record_path(record_dir, run_name, seed),
+                                 command=shlex.join([*PROG.split(), *argv]))
+    results = load_results(record_dir, list(todo))
     if not results:
         raise SystemExit(f"no records under {record_dir}")
     text = table(results)
-    md = args.out_dir / f"dgc_{args.config}.md"
-    md.write_text(f"<!-- generated by: python -m experiments.reproduce.dgc --config {args.config} "
+    md = out_dir / f"dgc_{name}.md"
+    md.write_text(f"<!-- generated by: {PROG} --config experiments/configs/dgc_{name}.py "
                   f"(--report-only rebuilds it from the records) -->\n{text}")
-    plot(results, args.out_dir / f"dgc_{args.config}.png", f"DGC reproduction ({args.config})")
+    plot(results, out_dir / f"dgc_{name}.png", f"DGC reproduction ({name})")
     if args.readme:
         from experiments.results_table import update_readme
 
-        update_readme(args.readme, text, f"dgc_{args.config}")
+        update_readme(args.readme, text, f"dgc_{name}")
     print(text, end="")
-    return {name: [s for _, s in runs] for name, runs in results.items()}
+    return {run_name: [s for _, s in runs_] for run_name, runs_ in results.items()}
 
 
 if __name__ == "__main__":

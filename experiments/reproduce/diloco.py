@@ -1,8 +1,11 @@
 """DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
 
     python -m experiments.reproduce.diloco                        # 6 runs, ~5 min on a 2-core CPU
-    python -m experiments.reproduce.diloco --report-only --readme README.md   # table + plot from the records
+    python -m experiments.reproduce.diloco --config.train.steps=100 --rows data-parallel diloco   # a quick look
+    python -m experiments.reproduce.diloco --publish --report-only --readme README.md   # the committed table
 
+The settings are ml_collections config ``experiments/configs/diloco_tiny_shakespeare.py``
+(``--config FILE`` names another; ``--config.KEY=VALUE`` overrides a key).
 Rows (every one the same model, data, steps, seed and inner learning-rate schedule):
 
 * **data-parallel**: AdamW on the gradients averaged every step (``cj.identity``: float32 all-reduce);
@@ -17,8 +20,10 @@ Rows (every one the same model, data, steps, seed and inner learning-rate schedu
 Reported: final validation loss (nats per character) of the workers' mean parameters and of worker 0's,
 the total bytes one worker put into collectives (``cj.payload_bytes`` read every step, so what was
 really sent), the peak bytes in any one step, and the bytes ratio vs data-parallel.  Writes
-``experiments/results/reproduce/diloco_tiny_shakespeare.{md,json,png}`` and one record per run under
-``experiments/results/reproduce/diloco/``.
+``<out>/diloco_tiny_shakespeare.{md,json,png}`` (the JSON with the command, the full config and
+provenance) and one record per run under ``<out>/diloco/`` (``--report-only`` rebuilds the table from
+them), where ``<out>`` is ``runs/reproduce`` (git-ignored), with ``--publish``
+``experiments/results/reproduce`` (the committed results), or ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -32,64 +37,69 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
+from experiments import config_cli, records
+
 NAME = "diloco_tiny_shakespeare"
-OUT = Path(__file__).resolve().parents[1] / "results" / "reproduce"
-RUNS = OUT / "diloco"
-
-#: The run settings shared by every row.
-SETTINGS = {"model_config": "tiny", "steps": 600, "workers": 4, "batch_per_worker": 16, "seq_len": 64,
-            "eval_every": 100, "eval_batches": 8, "seed": 0}
-LR, WARMUP, H = 3e-3, 50, 50
+PROG = "python -m experiments.reproduce.diloco"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / f"{NAME}.py"
 ROWS = ("data-parallel", "diloco", "streaming", "diloco-topk", "diloco-muon", "data-parallel-muon")
-LABELS = {
-    "data-parallel": "data-parallel (AdamW, fp32 all-reduce every step)",
-    "diloco": "DiLoCo, H = 50 (fp32 outer gradients)",
-    "streaming": "Streaming DiLoCo, H = 50, 2 fragments, τ = 1, E3M0",
-    "diloco-topk": "DiLoCo, H = 50, top-k 5% + error feedback",
-    "diloco-muon": "DiLoCo, H = 50, Muon inner",
-    "data-parallel-muon": "data-parallel (Muon, fp32 all-reduce every step)",
-}
 
 
-def warmup(steps: int) -> int:
-    """``WARMUP`` steps, or a quarter of a shorter run."""
-    return min(WARMUP, steps // 4)
+def labels(config) -> dict[str, str]:
+    """Row -> its label in the table and the plot."""
+    h, st = config.sync_every, config.streaming
+    return {
+        "data-parallel": "data-parallel (AdamW, fp32 all-reduce every step)",
+        "diloco": f"DiLoCo, H = {h} (fp32 outer gradients)",
+        "streaming": f"Streaming DiLoCo, H = {h}, {st.fragments} fragments, τ = {st.overlap}, E3M0",
+        "diloco-topk": f"DiLoCo, H = {h}, top-k {100 * config.topk_ratio:g}% + error feedback",
+        "diloco-muon": f"DiLoCo, H = {h}, Muon inner",
+        "data-parallel-muon": "data-parallel (Muon, fp32 all-reduce every step)",
+    }
 
 
-def schedule(steps: int, peak: float = LR):
-    """Linear warm-up to ``peak``, cosine decay to ``peak / 10`` at the last step."""
+def warmup(config, steps: int) -> int:
+    """``config.warmup_steps``, or a quarter of a shorter run."""
+    return min(config.warmup_steps, steps // 4)
+
+
+def schedule(config, steps: int, peak: float | None = None):
+    """Linear warm-up to ``peak`` (default ``config.lr``), cosine decay to ``peak / 10`` at the last step."""
     import optax
 
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup(steps), steps, end_value=peak / 10)
+    peak = config.lr if peak is None else peak
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup(config, steps), steps, end_value=peak / 10)
 
 
-def make_tx(row: str, steps: int):
+def make_tx(row: str, config):
     """``axis_name -> transform`` for ``row``."""
     import optax
 
     import compjax as cj
 
-    sched = schedule(steps)
+    steps, h, st = config.train.steps, config.sync_every, config.streaming
+    sched = schedule(config, steps)
 
     def build(ax):
-        adamw = optax.adamw(sched, weight_decay=0.1)
+        adamw = optax.adamw(sched, weight_decay=config.weight_decay)
         if row == "data-parallel":
             return optax.chain(cj.identity(axis_name=ax), adamw)
         if row == "diloco":
-            return cj.diloco(adamw, sync_every=H, axis_name=ax)
+            return cj.diloco(adamw, sync_every=h, axis_name=ax)
         if row == "streaming":
-            return cj.diloco(adamw, sync_every=H, fragments=2, overlap=1, alpha=0.5,
-                             outer=optax.sgd(0.4, momentum=0.9, nesterov=True),
+            return cj.diloco(adamw, sync_every=h, fragments=st.fragments, overlap=st.overlap, alpha=st.alpha,
+                             outer=optax.sgd(st.outer_lr, momentum=0.9, nesterov=True),
                              compressor=cj.e3m0(error_feedback=False, skip_nonfinite=False, axis_name=ax),
                              axis_name=ax)
         if row == "diloco-topk":
-            return cj.diloco(adamw, sync_every=H, compressor=cj.topk(0.05, skip_nonfinite=False, axis_name=ax),
-                             axis_name=ax)
-        muon = optax.contrib.muon(schedule(steps, 0.02), adam_learning_rate=sched)
+            return cj.diloco(adamw, sync_every=h,
+                             compressor=cj.topk(config.topk_ratio, skip_nonfinite=False, axis_name=ax), axis_name=ax)
+        muon = optax.contrib.muon(schedule(config, steps, config.muon_lr), adam_learning_rate=sched)
         if row == "diloco-muon":
-            return cj.diloco(muon, sync_every=H, axis_name=ax)
+            return cj.diloco(muon, sync_every=h, axis_name=ax)
         if row == "data-parallel-muon":
             return optax.chain(cj.identity(axis_name=ax), muon)
         raise ValueError(f"row must be one of {ROWS}, got {row!r}")
@@ -97,11 +107,11 @@ def make_tx(row: str, steps: int):
     return build
 
 
-def run(row: str, settings: dict | None = None) -> dict:
+def run(row: str, config) -> dict:
+    """One row's training run (:func:`experiments.lm.train.train` with ``config.train``)."""
     from experiments.lm.train import train
 
-    settings = SETTINGS if settings is None else settings
-    res = train(make_tx(row, settings["steps"]), log=print, **settings)
+    res = train(make_tx(row, config), log=print, **config.train.to_dict())
     res["row"] = row
     return res
 
@@ -110,8 +120,9 @@ def run(row: str, settings: dict | None = None) -> dict:
 REFERENCE = {"diloco-muon": "data-parallel-muon", "data-parallel-muon": "data-parallel-muon"}
 
 
-def summarize(results: dict[str, dict]) -> list[dict]:
+def summarize(results: dict[str, dict], config) -> list[dict]:
     """One dict per row: final losses, the loss vs the row's data-parallel reference (%), bytes and their ratio."""
+    label = labels(config)
     rows = []
     for row in ROWS:
         if row not in results:
@@ -121,7 +132,7 @@ def summarize(results: dict[str, dict]) -> list[dict]:
         ref_loss = ref["val_loss_mean"][-1] if ref else None
         ref_bytes = ref["total_bytes"] if ref else None
         rows.append({
-            "row": row, "label": LABELS[row], "reference": REFERENCE.get(row, "data-parallel"),
+            "row": row, "label": label[row], "reference": REFERENCE.get(row, "data-parallel"),
             "val_loss_mean": r["val_loss_mean"][-1], "val_loss_worker0": r["val_loss_worker0"][-1],
             "vs_dp_pct": 100 * (r["val_loss_mean"][-1] / ref_loss - 1) if ref_loss else None,
             "total_bytes": r["total_bytes"], "peak_bytes": r["peak_bytes"],
@@ -132,12 +143,12 @@ def summarize(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], settings: dict | None = None) -> str:
-    settings = SETTINGS if settings is None else settings
-    head = (f"Tiny Shakespeare, character-level transformer ({settings['model_config']} config), "
-            f"{settings['workers']} workers × {settings['batch_per_worker']} windows of {settings['seq_len']} "
-            f"characters, {settings['steps']} steps, AdamW lr {LR:g} (warm-up {WARMUP}, cosine to {LR / 10:g}), "
-            f"weight decay 0.1. Validation loss in nats per character on the last 10% of the text; bytes are "
+def table(rows: list[dict], config) -> str:
+    t, lr = config.train, config.lr
+    head = (f"Tiny Shakespeare, character-level transformer ({t.model_config} config), "
+            f"{t.workers} workers × {t.batch_per_worker} windows of {t.seq_len} "
+            f"characters, {t.steps} steps, AdamW lr {lr:g} (warm-up {config.warmup_steps}, cosine to {lr / 10:g}), "
+            f"weight decay {config.weight_decay:g}. Validation loss in nats per character on the last 10% of the text; bytes are "
             f"what one worker put into collectives (`cj.payload_bytes`, read every step).\n\n")
     lines = [("| run | val loss (mean of workers) | val loss (worker 0) | vs data-parallel (same inner optimizer) | "
               "total bytes/worker | fewer bytes than DP | peak bytes in one step | steps with a collective | wall (s) |"),
@@ -151,21 +162,22 @@ def table(rows: list[dict], settings: dict | None = None) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path, config) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    label = labels(config)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for row in ROWS:
         if row not in results:
             continue
         r = results[row]
-        a.plot(r["eval_step"], r["val_loss_mean"], marker="o", label=LABELS[row])
+        a.plot(r["eval_step"], r["val_loss_mean"], marker="o", label=label[row])
         cum = np.cumsum([0] + r["payload_bytes"])
-        b.plot([max(cum[s], 1) for s in r["eval_step"]], r["val_loss_mean"], marker="o", label=LABELS[row])
+        b.plot([max(cum[s], 1) for s in r["eval_step"]], r["val_loss_mean"], marker="o", label=label[row])
     a.set_xlabel("step")
     a.set_ylabel("validation loss (nats/char, mean of workers)")
     b.set_xscale("log")
@@ -179,28 +191,44 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_args, rest = config_cli.split_config_args(argv)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/diloco_tiny_shakespeare.py); "
+                   "--config.KEY=VALUE overrides a key, e.g. --config.train.steps=100")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="which runs (default: all)")
     p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from the records")
+    records.add_output_arguments(p, "reproduce")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(argv)
-    RUNS.mkdir(parents=True, exist_ok=True)
+    args = p.parse_args(rest)
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    out = records.output_dir(args, "reproduce")
+    record_dir = out / "diloco"
+    command = shlex.join([*PROG.split(), *argv])
+    label = labels(config)
+    record_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for row in ROWS:
-        path = RUNS / f"{row}.json"
+        path = record_dir / f"{row}.json"
         if row in args.rows and not args.report_only:
-            print(f"== {LABELS[row]}")
-            res = run(row)
+            print(f"== {label[row]}")
+            res = run(row, config)
+            res["reproduction"] = {"command": command, "config": config.to_dict()}
             path.write_text(json.dumps(res) + "\n")
         if path.exists():
             results[row] = json.loads(path.read_text())
-    rows = summarize(results)
-    text = table(rows)
-    (OUT / f"{NAME}.md").write_text(f"<!-- generated by: python -m experiments.reproduce.diloco -->\n{text}")
-    (OUT / f"{NAME}.json").write_text(json.dumps({"settings": SETTINGS, "sync_every": H, "rows": rows}, indent=1)
-                                      + "\n")
-    plot(results, OUT / f"{NAME}.png")
+    if not results:
+        raise SystemExit(f"{PROG}: no records under {record_dir} (run without --report-only first; the committed "
+                         "records are read with --publish)")
+    rows = summarize(results, config)
+    text = table(rows, config)
+    (out / f"{NAME}.md").write_text(f"<!-- generated by: {PROG} -->\n{text}")
+    (out / f"{NAME}.json").write_text(json.dumps({"command": command, "config": config.to_dict(),
+                                                  "provenance": records.provenance(command), "rows": rows},
+                                                 indent=1) + "\n")
+    plot(results, out / f"{NAME}.png", config)
     print(text)
+    print(f"wrote {out / NAME}.{{md,json,png}} and the records under {record_dir}")
     if args.readme:
         from experiments.results_table import update_readme
 

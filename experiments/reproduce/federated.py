@@ -1,22 +1,26 @@
 """Federated learning with compressed uplinks (Huang, Li & Li, ICLR 2024) in shape: accuracy vs uplink bytes.
 
     python -m experiments.reproduce.federated                  # the full setup below, every row, both seeds
-    python -m experiments.reproduce.federated --rounds 20 --rows fedavg,scafcom --out-dir /tmp/fed   # a quick look
+    python -m experiments.reproduce.federated --config.rounds=20 --config.seeds=0 --rows fedavg,scafcom-top1%
+    python -m experiments.reproduce.federated --publish --readme README.md   # the committed results and README table
 
+The settings are ml_collections config ``experiments/configs/federated_fashion_mnist.py``
+(``--config FILE`` names another; ``--config.KEY=VALUE`` overrides a key).
 Fashion-MNIST split over ``N = 200`` clients holding **2 classes each**
 (:func:`compjax.federated.classes_per_client_split`, seeded; the label
 histogram is saved in the JSON), ``10%`` participation (``S = 20`` clients
 sampled per round with a key), ``K = 10`` local SGD steps of batch 32 per
 round, multinomial logistic regression (784 x 10 + 10 = 7,850 parameters;
-``--set hidden=64`` gives a 784-64-10 MLP), equal client weights.  Rows (see ``ROWS``): FedAvg and classic SCAFFOLD (two float32
-messages) and its single-message form (one) in full precision; compressed
-FedAvg with top-1% (no error feedback); SCALLION with unbiased random-k;
-SCAFCOM with top-1% (no error feedback, ``β`` in ``ROWS``).  ``α`` and ``β``:
-SCALLION diverged with ``α >= 0.3`` at random-5% (``ω = 19``; the analysis asks
-for ``α`` about ``1/(1+ω)``), so ``α = 0.1``; ``β = 0.2`` as in the paper's notes.  Every row runs
-with the seeds in ``SETTINGS`` (the seed fixes the model initialisation,
-the client sampling, the minibatches and the compressors' keys; the split is
-the same for all).
+``--config.hidden=64`` gives a 784-64-10 MLP), equal client weights.  Rows
+(the config's ``rows``): FedAvg and classic SCAFFOLD (two float32 messages)
+and its single-message form (one) in full precision; compressed FedAvg with
+top-1% (no error feedback); SCALLION with unbiased random-k; SCAFCOM with
+top-1% (no error feedback).  ``α`` and ``β``: SCALLION diverged with
+``α >= 0.3`` at random-5% (``ω = 19``; the analysis asks for ``α`` about
+``1/(1+ω)``), so ``α = 0.1``; ``β = 0.2`` as in the paper's notes.  Every row
+runs with the config's seeds (the seed fixes the model initialisation, the
+client sampling, the minibatches and the compressors' keys; the split is the
+same for all).
 
 Uplink bytes are what the compressor's collective over the client axis
 carried (``cj.payload_bytes`` of the uplink state, summed over the ``S``
@@ -28,41 +32,65 @@ SCAFFOLD with >= 20x fewer uplink bytes, and compressed FedAvg falls behind.
 over seeds, evaluated every ``eval_every`` rounds) first reaches the
 target: ``target_fraction`` of classic SCAFFOLD's final accuracy.
 
-Outputs (``--out-dir``, default ``experiments/results/reproduce/``):
-``federated_fashion_mnist.json`` (settings, split histogram, every curve),
-``.md`` (the table) and ``.png`` (test accuracy vs cumulative uplink bytes).
+Outputs in ``<out>``: ``federated_fashion_mnist.json`` (the command, the full
+config, provenance, split histogram, every curve), ``.md`` (the table) and
+``.png`` (test accuracy vs cumulative uplink bytes), where ``<out>`` is
+``runs/reproduce`` (git-ignored), with ``--publish``
+``experiments/results/reproduce`` (the committed results), or ``--out-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results" / "reproduce"
+from experiments import config_cli, records
+
 NAME = "federated_fashion_mnist"
-
-#: The setup (the issue's): clients, participation, local steps; and the optimisation settings.
-SETTINGS = {
-    "num_clients": 200, "classes_per_client": 2, "participation": 0.1, "local_steps": 10, "batch_size": 32, "hidden": 0,
-    "local_lr": 0.1, "global_lr": 1.0, "rounds": 300, "eval_every": 10, "seeds": [0, 1], "split_seed": 0, "target_fraction": 0.98,
-    "split": "classes", "dirichlet_alpha": 0.1, "train_limit": None,
-}
-
-#: row name -> (algorithm, options): "uplink" is None (float32 all-reduce), ("topk", ratio), ("randomk", ratio)
-#: or ("qsgd", levels).
-ROWS = {
-    "fedavg": ("fedavg", {"uplink": None}),
-    "scaffold": ("scaffold", {"uplink": None}),
-    "scaffold-1msg": ("scaffold", {"uplink": None, "single_message": True}),
-    "fedavg-top1%": ("fedavg", {"uplink": ("topk", 0.01)}),
-    "scallion-rand5%": ("scallion", {"uplink": ("randomk", 0.05), "alpha": 0.1}),
-    "scafcom-top1%": ("scafcom", {"uplink": ("topk", 0.01), "beta": 0.2}),
-}
+PROG = "python -m experiments.reproduce.federated"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / f"{NAME}.py"
 AXIS = "clients"
+ALGORITHMS = ("fedavg", "scaffold", "scallion", "scafcom")
+UPLINKS = ("topk", "randomk", "qsgd")
+
+
+def rows_of(config) -> dict[str, tuple[str, dict]]:
+    """The config's rows as ``name -> (algorithm, options)`` (options: every key but ``name`` and ``algorithm``)."""
+    return {r["name"]: (r["algorithm"], {k: v for k, v in r.items() if k not in ("name", "algorithm")})
+            for r in config.rows}
+
+
+def check(config) -> None:
+    """What can be checked before the data loads; one-line ``SystemExit`` naming the key."""
+    def fail(key, what):
+        value = "..." if key == "rows" else repr(config_cli.get(config, key))
+        raise SystemExit(f"{PROG}: --config.{key}={value}: {what}")
+
+    for key in ("num_clients", "local_steps", "batch_size", "rounds", "eval_every"):
+        if config[key] < 1:
+            fail(key, "must be >= 1")
+    if config.hidden < 0:
+        fail("hidden", "must be >= 0 (0: logistic regression)")
+    if not 0 < config.participation <= 1:
+        fail("participation", "must be in (0, 1]")
+    if not config.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in config.seeds):
+        fail("seeds", "needs one or more integer seeds, e.g. --config.seeds=0,1")
+    if config.split not in ("classes", "dirichlet"):
+        fail("split", "must be 'classes' or 'dirichlet'")
+    if config.train_limit is not None and config.train_limit < 1:
+        fail("train_limit", "must be >= 1 (or None: every training image)")
+    for r in config.rows:
+        if not isinstance(r, dict) or "name" not in r:
+            fail("rows", "each row is a dict with a name, an algorithm and an uplink")
+        if r.get("algorithm") not in ALGORITHMS:
+            fail("rows", f"row {r.get('name')!r}: algorithm must be one of {', '.join(ALGORITHMS)}")
+        up = r.get("uplink")
+        if up is not None and (len(up) != 2 or up[0] not in UPLINKS):
+            fail("rows", f"row {r.get('name')!r}: uplink must be None or (kind, arg), kind one of {', '.join(UPLINKS)}")
 
 
 def build_uplink(spec, seed: int):
@@ -81,11 +109,11 @@ def build_uplink(spec, seed: int):
     raise ValueError(f"unknown uplink {spec!r}")
 
 
-def build_algorithm(row: str, loss_fn, settings: dict, seed: int):
-    """The :class:`compjax.federated.FederatedAlgorithm` of ``row``."""
+def build_algorithm(row: str, loss_fn, settings, seed: int):
+    """The :class:`compjax.federated.FederatedAlgorithm` of ``row`` (a name in ``settings.rows``)."""
     import compjax as cj
 
-    name, opts = ROWS[row]
+    name, opts = rows_of(settings)[row]
     common = {"num_clients": settings["num_clients"], "participation": settings["participation"],
                   "local_steps": settings["local_steps"], "local_lr": settings["local_lr"],
                   "global_lr": settings["global_lr"], "client_axis": AXIS}
@@ -128,7 +156,7 @@ def loss_fn(p, batch):
     return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(p, x), y).mean()
 
 
-def load_data(settings: dict):
+def load_data(settings):
     """Normalised, flattened Fashion-MNIST, the split, its histogram, and the padded client arrays."""
     import numpy as np
 
@@ -152,7 +180,7 @@ def load_data(settings: dict):
     return padded, counts, hist, (xte, yte)
 
 
-def run_row(row: str, seed: int, settings: dict, data) -> dict:
+def run_row(row: str, seed: int, settings, data) -> dict:
     """One run: every round one jitted call (sample clients, draw their batches, the round); evaluated every few rounds."""
     import jax
     import jax.numpy as jnp
@@ -194,12 +222,13 @@ def run_row(row: str, seed: int, settings: dict, data) -> dict:
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     print(f"{row:>16} seed {seed}: test accuracy {curve[-1]['test_accuracy']:.4f}, uplink "
           f"{up_total / 1e6:.1f} MB, {wall:.0f} s", flush=True)
-    return {"row": row, "seed": seed, "algorithm": ROWS[row][0], "options": ROWS[row][1], "curve": curve,
+    algorithm, options = rows_of(settings)[row]
+    return {"row": row, "seed": seed, "algorithm": algorithm, "options": options, "curve": curve,
             "uplink_bytes_per_round": up_total // settings["rounds"], "downlink_bytes_per_round": down,
             "num_params": num_params, "wall_s": wall}
 
 
-def summarize(runs: list[dict], settings: dict) -> list[dict]:
+def summarize(runs: list[dict], settings) -> list[dict]:
     """Per row: accuracy (mean over seeds) at the end, bytes, and the uplink bytes to reach the target accuracy."""
     import numpy as np
 
@@ -230,13 +259,13 @@ def summarize(runs: list[dict], settings: dict) -> list[dict]:
     return out, target, ref
 
 
-def table(summary: list[dict], target: float, ref: str, settings: dict) -> str:
+def table(summary: list[dict], target: float, ref: str, settings) -> str:
     s = settings
     model = f"MLP 784-{s['hidden']}-10" if s["hidden"] else "logistic regression"
     lines = [
         (f"Fashion-MNIST, {model}, {s['num_clients']} clients with {s['classes_per_client']} classes each, "
         f"{int(100 * s['participation'])}% participation, {s['local_steps']} local steps of batch {s['batch_size']}, "
-        f"η_l = {s['local_lr']}, η_g = {s['global_lr']}, {s['rounds']} rounds, seeds {s['seeds']} (accuracy: mean "
+        f"η_l = {s['local_lr']}, η_g = {s['global_lr']}, {s['rounds']} rounds, seeds {list(s['seeds'])} (accuracy: mean "
         f"over seeds). Target: {100 * s['target_fraction']:.0f}% of {ref}'s final accuracy = {100 * target:.2f}%."),
         "",
         ("| row | uplink | test accuracy | per seed | uplink bytes/round (all clients) | uplink ÷ vs "
@@ -285,50 +314,47 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--rows", default="", help=f"comma-separated rows (default all: {','.join(ROWS)})")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--seeds", default="", help="comma-separated seeds (default: SETTINGS['seeds'])")
-    p.add_argument("--split", choices=("classes", "dirichlet"), default=None)
-    p.add_argument("--set", action="append", default=[], help="override a setting, e.g. --set hidden=0")
-    args = p.parse_args(argv)
-    settings = dict(SETTINGS)
-    if args.rounds:
-        settings["rounds"] = args.rounds
-    if args.seeds:
-        settings["seeds"] = [int(s) for s in args.seeds.split(",")]
-    if args.split:
-        settings["split"] = args.split
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        if k not in SETTINGS:
-            raise SystemExit(f"unknown setting {k!r}; settings: {list(SETTINGS)}")
-        settings[k] = type(SETTINGS[k])(v) if SETTINGS[k] is not None else int(v)
-    rows = args.rows.split(",") if args.rows else list(ROWS)
-    unknown = [r for r in rows if r not in ROWS]
+    config_args, rest = config_cli.split_config_args(argv)
+    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/federated_fashion_mnist.py); "
+                   "--config.KEY=VALUE overrides a key, e.g. --config.rounds=20 --config.seeds=0")
+    p.add_argument("--rows", default="", help="comma-separated names of the config's rows to run (default: all)")
+    records.add_output_arguments(p, "reproduce")
+    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
+    args = p.parse_args(rest)
+    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    check(config)
+    all_rows = rows_of(config)
+    rows = args.rows.split(",") if args.rows else list(all_rows)
+    unknown = [r for r in rows if r not in all_rows]
     if unknown:
-        raise SystemExit(f"unknown rows {unknown}; rows: {list(ROWS)}")
+        raise SystemExit(f"{PROG}: --rows: unknown rows {unknown}; the config's rows: {', '.join(all_rows)}")
+    out_dir = records.output_dir(args, "reproduce")
+    command = shlex.join([*PROG.split(), *argv])
     t0 = time.time()
-    data = load_data(settings)
-    runs = [run_row(r, s, settings, data) for r in rows for s in settings["seeds"]]
-    summary, target, ref = summarize(runs, settings)
-    text = table(summary, target, ref, settings)
+    provenance = records.provenance(command)
+    data = load_data(config)
+    runs = [run_row(r, s, config, data) for r in rows for s in config.seeds]
+    summary, target, ref = summarize(runs, config)
+    text = table(summary, target, ref, config)
     wall = time.time() - t0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     hist = data[2]
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps({
-        "command": "python -m experiments.reproduce.federated " + " ".join(argv), "settings": settings,
-        "rows": {k: ROWS[k] for k in rows}, "split": {"kind": settings["split"], "seed": settings["split_seed"],
-                                                      "label_histogram": hist.tolist()},
+    (out_dir / f"{NAME}.json").write_text(json.dumps({
+        "command": command, "config": config.to_dict(), "provenance": provenance,
+        "rows": {k: all_rows[k] for k in rows}, "split": {"kind": config.split, "seed": config.split_seed,
+                                                          "label_histogram": hist.tolist()},
         "summary": summary, "target_accuracy": target, "runs": runs, "wall_s": wall}, indent=1))
-    (args.out_dir / f"{NAME}.md").write_text(
-        f"<!-- generated by: python -m experiments.reproduce.federated (wall time {wall:.0f} s) -->\n{text}")
-    plot(runs, args.out_dir / f"{NAME}.png",
-         f"Fashion-MNIST, {settings['num_clients']} clients × {settings['classes_per_client']} classes, "
-         f"{int(100 * settings['participation'])}% participation, K = {settings['local_steps']}")
+    (out_dir / f"{NAME}.md").write_text(f"<!-- generated by: {command} (wall time {wall:.0f} s) -->\n{text}")
+    plot(runs, out_dir / f"{NAME}.png",
+         f"Fashion-MNIST, {config.num_clients} clients × {config.classes_per_client} classes, "
+         f"{int(100 * config.participation)}% participation, K = {config.local_steps}")
+    if args.readme:
+        from experiments.results_table import update_readme
+
+        update_readme(args.readme, text, NAME)
     print(text, end="")
-    print(f"wall time {wall:.0f} s", flush=True)
+    print(f"wall time {wall:.0f} s; wrote {out_dir / NAME}.{{json,md,png}}", flush=True)
     return summary
 
 

@@ -1,0 +1,112 @@
+"""Command lines built on ``ml_collections`` configs, the way the flax examples take them.
+
+``--config FILE[:ARG]`` names a config file (a Python file with
+``get_config(ARG)``), ``--config.KEY=VALUE`` overrides one of its keys (typed
+by the key's current value), and every error is one line
+(:class:`OneLineParser`).  Scripts add their own short flags with
+:func:`shortcut` and map them onto config keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from unittest import mock
+
+import ml_collections
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2), not usage + message."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: {message} (--help lists the options)")
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` -> (the ``--config`` and ``--config.*`` arguments as ``--flag=value``, the rest).
+
+    ``--config FILE`` and ``--config.KEY VALUE`` (two words) become
+    ``--config=FILE`` and ``--config.KEY=VALUE``; a ``--config.KEY`` followed by
+    another flag stays a bare switch (True for a bool key).
+    """
+    config, rest, args, i = [], [], list(argv), 0
+    while i < len(args):
+        a = args[i]
+        if a == "--config" or (a.startswith("--config.") and "=" not in a):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is not None and not nxt.startswith("--"):
+                config.append(f"{a}={nxt}")
+                i += 2
+                continue
+            if a == "--config":
+                raise SystemExit("--config needs a config file, e.g. --config experiments/configs/main_job.py")
+            config.append(a)
+        elif a.startswith(("--config=", "--config.")):
+            config.append(a)
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest
+
+
+def load(default_file: str | Path, argv: Sequence[str] = (), *, prog: str = "") -> ml_collections.ConfigDict:
+    """The config of ``--config FILE[:ARG]`` (default ``default_file``) with the ``--config.KEY=VALUE`` overrides.
+
+    Args:
+      default_file: the config file used when ``argv`` has no ``--config``.
+      argv: only ``--config`` / ``--config.*`` arguments (:func:`split_config_args`).
+      prog: the program's name for error messages.
+
+    Returns:
+      The ``ConfigDict`` (locked: its keys can be set, not added).
+
+    Raises:
+      SystemExit: one line naming the bad argument (a missing file, an unknown
+        key, a value of the wrong type).
+    """
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    head = f"{prog}: " if prog else ""
+    args = list(argv)
+    file_arg = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), str(default_file))
+    if not Path(file_arg.split(":", 1)[0]).is_file():
+        raise SystemExit(f"{head}--config {file_arg}: no such config file")
+    with mock.patch.object(sys, "argv", ["prog", *args]):  # config_flags reads sys.argv when defining the flag
+        try:
+            config_flags.DEFINE_config_file("config", str(default_file), flag_values=fv, lock_config=True)
+            fv(["prog", *args])
+            config = fv.config
+        except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+            bad = next((a for a in args if a.startswith("--config.") and _unknown(a, e)), None)
+            if bad is not None:
+                raise SystemExit(f"{head}{bad.split('=', 1)[0]}: no such key in the config {file_arg}") from None
+            msg = " ".join(str(e).replace("flag --", "--").split())
+            raise SystemExit(f"{head}{msg}") from None
+    return config
+
+
+def _unknown(arg: str, err: Exception) -> bool:
+    key = arg.split("=", 1)[0].removeprefix("--config.").split(".")[-1]
+    return isinstance(err, (AttributeError, KeyError)) and repr(key) in str(err)
+
+
+def get(config: ml_collections.ConfigDict, path: str):
+    """``config`` at the dotted ``path`` (``"compressor.ratio"``)."""
+    for part in path.split("."):
+        config = config[part]
+    return config
+
+
+def set_(config: ml_collections.ConfigDict, path: str, value) -> None:
+    """Set the dotted ``path`` of ``config`` to ``value``."""
+    *head, last = path.split(".")
+    for part in head:
+        config = config[part]
+    config[last] = value
