@@ -97,6 +97,17 @@ def _unknown(arg: str, err: Exception) -> bool:
     return isinstance(err, (AttributeError, KeyError)) and repr(key) in str(err)
 
 
+def flatten(config: ml_collections.ConfigDict) -> dict:
+    """``{"a.b": value}`` of a ConfigDict's leaves (for ``ConfigDict.update_from_flattened_dict``)."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update({f"{k}.{kk}": vv for kk, vv in flatten(v).items()})
+        else:
+            out[k] = v
+    return out
+
+
 def get(config: ml_collections.ConfigDict, path: str):
     """``config`` at the dotted ``path`` (``"compressor.ratio"``)."""
     for part in path.split("."):

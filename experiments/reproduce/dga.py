@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 from experiments import config_cli, records, train  # train first: 8 simulated CPU devices before JAX starts
-from experiments.reproduce.dgc import _flat, read_records
+from experiments.reproduce.dgc import read_records
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dga_fashion_mnist_cnn.py"
 PROG = "python -m experiments.reproduce.dga"
@@ -59,7 +59,7 @@ def load_config(overrides=()):
 def run_config(config, delay: int):
     """The main-job config of the run with ``delay``: ``config.train`` with ``compressor.delay = delay``."""
     cfg = train.default_config()
-    cfg.update_from_flattened_dict(_flat(config.train))
+    cfg.update_from_flattened_dict(config_cli.flatten(config.train))
     cfg.compressor.delay = delay
     return cfg
 

@@ -70,22 +70,11 @@ def runs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDi
     out = {}
     for run in config.runs:
         cfg = train.default_config()
-        cfg.update_from_flattened_dict(_flat(config.train))
+        cfg.update_from_flattened_dict(config_cli.flatten(config.train))
         cfg.compressor.update(run["compressor"])
         if "sparsity_warmup_epochs" in run:
             cfg.compressor.sparsity_warmup_steps = round(run["sparsity_warmup_epochs"] * steps_per_epoch)
         out[run["name"]] = cfg
-    return out
-
-
-def _flat(config) -> dict:
-    """``{"a.b": value}`` of a ConfigDict's leaves."""
-    out = {}
-    for k, v in config.items():
-        if isinstance(v, ml_collections.ConfigDict):
-            out.update({f"{k}.{kk}": vv for kk, vv in _flat(v).items()})
-        else:
-            out[k] = v
     return out
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import ml_collections
 
 from experiments import config_cli, records, results_table, train
-from experiments.reproduce.dgc import _flat, record_path
+from experiments.reproduce.dgc import record_path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "main_job_table.py"
 PROG = "python -m experiments.reproduce.main_job"
@@ -38,7 +38,7 @@ def runs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDi
     for run in config.runs:
         run = dict(run)
         cfg = train.default_config()
-        cfg.update_from_flattened_dict(_flat(config.train))
+        cfg.update_from_flattened_dict(config_cli.flatten(config.train))
         cfg.compressor.update(run.pop("compressor"))
         name = run.pop("name")
         cfg.update(run)

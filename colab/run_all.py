@@ -1,0 +1,161 @@
+"""Execute every notebook in colab/ and check each one shows a plot and a table (what CI runs).
+
+    SMALL=1 .venv/bin/python colab/run_all.py                  # every colab/*.ipynb, sorted by name
+    SMALL=1 .venv/bin/python colab/run_all.py 02 04_quantizers  # only these (number, stem or file name)
+    SMALL=0 .venv/bin/python colab/run_all.py --max-seconds 0 --timeout 3600   # full settings (CPU: ~40 min)
+
+Each notebook runs in a fresh ``python3`` kernel of this interpreter (nbclient), with the repository root
+as its working directory (so ``import experiments`` works and the install cell has nothing to do) and
+``SMALL=1`` in its environment unless ``SMALL`` is already set.  The executed copies are written to
+``runs/notebooks/`` (git-ignored), the failing ones included; nothing else is written.
+
+A notebook passes when every cell runs without an error within ``--timeout`` seconds (the whole
+notebook, not each cell), and its outputs hold at least one plot (an ``image/png`` output) and at least
+one table (``text/markdown`` with a ``|---`` row, or ``text/html`` with ``<table``).  One line per
+notebook (name, seconds, plots, tables, OK/FAIL), then the total; the exit status is non-zero if any
+notebook fails or the total exceeds ``--max-seconds`` (default 300; 0 turns the limit off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COLAB = ROOT / "colab"
+OUT = ROOT / "runs" / "notebooks"
+#: a markdown table's header rule: ``|---``, ``| ---``, ``|:---`` (alignment) ...
+TABLE_RULE = re.compile(r"\|\s*:?-{3,}")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours in tracebacks
+
+
+def discover(directory: Path = COLAB) -> list[Path]:
+    """Every ``*.ipynb`` in ``directory`` (not its subfolders), sorted by name."""
+    return sorted(directory.glob("*.ipynb"))
+
+
+def _outputs(nb) -> list:
+    """Every output of ``nb``'s cells (an nbformat notebook or a dict of the same shape)."""
+    return [out for cell in nb["cells"] for out in cell.get("outputs", [])]
+
+
+def _text(value) -> str:
+    """An output's data value as one string (nbformat may store multi-line text as a list of lines)."""
+    return "".join(value) if isinstance(value, list) else str(value)
+
+
+def count_plots(nb) -> int:
+    """Outputs of ``nb`` holding an ``image/png``."""
+    return sum("image/png" in out.get("data", {}) for out in _outputs(nb))
+
+
+def is_table(data: dict) -> bool:
+    """Whether an output's data bundle holds a table: markdown with a ``|---`` row, or HTML ``<table``."""
+    markdown = _text(data.get("text/markdown", ""))
+    html = _text(data.get("text/html", ""))
+    return bool(TABLE_RULE.search(markdown)) or "<table" in html.lower()
+
+
+def count_tables(nb) -> int:
+    """Outputs of ``nb`` holding a table (:func:`is_table`)."""
+    return sum(is_table(out.get("data", {})) for out in _outputs(nb))
+
+
+def errors(nb) -> list[str]:
+    """``"ename: evalue"`` of every error output of ``nb``."""
+    return [f"{out.get('ename')}: {out.get('evalue')}" for out in _outputs(nb) if out.get("output_type") == "error"]
+
+
+def problems(nb) -> list[str]:
+    """Why the executed ``nb`` fails the check (empty when it passes): errors, no plot, no table."""
+    found = [f"error {e}" for e in errors(nb)]
+    if not count_plots(nb):
+        found.append("no plot (image/png output)")
+    if not count_tables(nb):
+        found.append("no table (text/markdown with a |--- row, or text/html with <table)")
+    return found
+
+
+def execute(path: Path, timeout: float, out_dir: Path = OUT) -> tuple[object, float, str | None]:
+    """Run notebook ``path`` in a fresh kernel from the repository root; write the executed copy to ``out_dir``.
+
+    Returns ``(executed notebook, seconds, exception text or None)``.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    start = time.monotonic()
+    deadline = start + timeout
+
+    def cell_timeout(cell) -> int:  # what is left of the notebook's time, for the next cell
+        return max(1, int(deadline - time.monotonic()))
+
+    client = NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}},
+                            timeout_func=cell_timeout, allow_errors=False, record_timing=True)
+    failure = None
+    try:
+        client.execute(cwd=str(ROOT))
+    except CellTimeoutError:
+        failure = f"timeout: over {timeout:g} s"
+    except (CellExecutionError, DeadKernelError, RuntimeError, TimeoutError) as e:
+        # a cell's error, a dead kernel or one that did not start: reported, the next notebook runs
+        lines = ANSI.sub("", str(e)).strip().splitlines()
+        failure = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    seconds = time.monotonic() - start
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out_dir / path.name)
+    return nb, seconds, failure
+
+
+def select(names: list[str], found: list[Path]) -> list[Path]:
+    """The notebooks of ``found`` named in ``names`` (file name, stem or number); all if ``names`` is empty."""
+    if not names:
+        return found
+
+    def named(p: Path, name: str) -> bool:
+        return p.name == name or p.stem == name or p.stem.startswith(f"{name}_")  # "02" names 02_dgc.ipynb
+
+    missing = [name for name in names if not any(named(p, name) for p in found)]
+    if missing:
+        raise SystemExit(f"no such notebook in {COLAB}: {', '.join(missing)}")
+    return [p for p in found if any(named(p, name) for name in names)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("notebooks", nargs="*", help="run only these (number, stem or file name); default: all")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for one notebook (default 600)")
+    p.add_argument("--max-seconds", type=float, default=300,
+                   help="fail if all notebooks together take longer (default 300; 0: no limit)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("SMALL", "1")  # the kernels inherit this process's environment
+    notebooks = select(args.notebooks, discover())
+    if not notebooks:
+        print(f"no notebooks in {COLAB}")
+        return 1
+    print(f"SMALL={os.environ['SMALL']}: {len(notebooks)} notebooks, executed copies in "
+          f"{OUT.relative_to(ROOT)}/", flush=True)
+    total, failed = 0.0, 0
+    for path in notebooks:
+        nb, seconds, failure = execute(path, args.timeout)
+        total += seconds
+        found = problems(nb)
+        if failure and (failure.startswith("timeout") or not errors(nb)):
+            found.insert(0, failure)  # a dead kernel leaves no error output, a timeout only a KeyboardInterrupt
+        failed += bool(found)
+        print(f"{path.name:<32} {seconds:7.1f} s  plots {count_plots(nb):2d}  tables {count_tables(nb):2d}  "
+              f"{'FAIL: ' + '; '.join(found) if found else 'OK'}", flush=True)
+    over = args.max_seconds > 0 and total > args.max_seconds
+    print(f"total {total:.1f} s for {len(notebooks)} notebooks (limit {args.max_seconds:g} s): "
+          f"{failed} failed" + (", over the time limit" if over else ""))
+    return 1 if failed or over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
