@@ -15,3 +15,15 @@ def mesh():
 
     assert len(jax.devices()) >= NUM_WORKERS, "conftest.py must set XLA_FLAGS before JAX starts"
     return parallel.make_mesh(NUM_WORKERS)
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    """``records.RUNS`` and ``records.RESULTS`` moved to empty temporary folders for the module: (runs, results)."""
+    from experiments import records
+
+    base = tmp_path_factory.mktemp("roots")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(records, "RUNS", base / "runs")
+        mp.setattr(records, "RESULTS", base / "results")
+        yield base / "runs", base / "results"

@@ -54,3 +54,8 @@ def init_stacked(tx, params, n):
     """``tx.init(params)`` copied for n workers (NumPy, leading worker axis)."""
     s = tx.init(params)
     return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), s)
+
+
+def files_under(root) -> list[str]:
+    """The files below ``root`` as sorted relative POSIX paths ([] if ``root`` does not exist)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []

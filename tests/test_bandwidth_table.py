@@ -12,27 +12,13 @@ import compjax as cj
 from experiments import imagenet_models, records
 from experiments.configs import bandwidth_table as bt_config
 from experiments.reproduce import bandwidth_table as bt
-from tests.helpers import AXIS, run_workers, stack
+from tests.helpers import AXIS, files_under, run_workers, stack
 
 #: parameters of the full models: torchvision's resnet18 / resnet50 and timm's swin_large_patch4_window7_224.
 FULL_COUNTS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "swin_large": 196_532_476}
 #: the committed table (read before any test moves records.RESULTS)
 COMMITTED = records.RESULTS / "reproduce" / "bandwidth_table.json"
 CONFIG = bt_config.get_config()
-
-
-def _files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
-    base = tmp_path_factory.mktemp("roots")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(records, "RUNS", base / "runs")
-        mp.setattr(records, "RESULTS", base / "results")
-        yield base / "runs", base / "results"
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +30,8 @@ def small_run(roots):
 
 def test_small_run_writes_table_json_and_plot_under_runs(small_run, roots):
     out, res = small_run
-    assert _files(roots[0]) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
-    assert _files(roots[1]) == []  # the committed table is written only with --publish
+    assert files_under(roots[0]) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
+    assert files_under(roots[1]) == []  # the committed table is written only with --publish
     md = (out / "bandwidth_table.md").read_text()
     assert (out / "bandwidth_table.png").stat().st_size > 10_000
     on_disk = json.loads((out / "bandwidth_table.json").read_text())
@@ -174,8 +160,8 @@ def test_publish_writes_the_committed_folder_with_the_overrides(small_run, monke
     monkeypatch.setattr(records, "RUNS", runs)
     monkeypatch.setattr(records, "RESULTS", results)
     res = bt.main(["--small", "--publish", "--config.workers=4,16", "--config.networks=ethernet_10g"])
-    assert _files(results) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
-    assert _files(runs) == []
+    assert files_under(results) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
+    assert files_under(runs) == []
     assert {(r["network"], r["workers"]) for r in res["rows"]} == {("ethernet_10g", 4), ("ethernet_10g", 16)}
     def traced(summary):  # what the traces give, without the hiding bandwidths per worker count
         return [{k: v for k, v in s.items() if "[n=" not in k} for s in summary["compressors"]]

@@ -11,22 +11,9 @@ import pytest
 from experiments import records
 from experiments.benchmarks import compressors as bench
 from experiments.benchmarks import torch_compare
+from tests.helpers import files_under
 
 ONLY = ["identity", "topk(0.01)"]
-
-
-def _files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
-    base = tmp_path_factory.mktemp("roots")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(records, "RUNS", base / "runs")
-        mp.setattr(records, "RESULTS", base / "results")
-        yield base / "runs", base / "results"
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +31,8 @@ def test_resnet18_shape_count():
 def test_benchmark_writes_tables_under_runs_by_default(small_run, roots):
     runs, results = roots
     out = runs / "benchmarks"
-    assert _files(out) == ["compressors.json", "compressors.md", "compressors.png"]
-    assert _files(results) == []  # the committed results are written only with --publish
+    assert files_under(out) == ["compressors.json", "compressors.md", "compressors.png"]
+    assert files_under(results) == []  # the committed results are written only with --publish
     result = json.loads((out / "compressors.json").read_text())
     assert result == json.loads(json.dumps(small_run))
     assert result["tree"]["leaves"] == 11 and result["provenance"]["command"] == result["command"]
@@ -85,8 +72,8 @@ def test_publish_writes_the_committed_folder(small_run, roots, monkeypatch, tmp_
     canned = {k: v for k, v in small_run.items() if k not in ("loadavg", "wall_s", "provenance")}
     monkeypatch.setattr(bench, "run", lambda args: copy.deepcopy(canned) | {"command": "cmd " + " ".join(args.argv)})
     bench.main(["--publish"])
-    assert _files(results) == ["benchmarks/compressors.json", "benchmarks/compressors.md", "benchmarks/compressors.png"]
-    assert _files(runs) == []
+    assert files_under(results) == ["benchmarks/compressors.json", "benchmarks/compressors.md", "benchmarks/compressors.png"]
+    assert files_under(runs) == []
     assert json.loads((results / "benchmarks" / "compressors.json").read_text())["command"] == "cmd --publish"
 
 
@@ -96,7 +83,7 @@ def test_out_dir_wins(small_run, monkeypatch, tmp_path):
     monkeypatch.setattr(records, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(records, "RESULTS", tmp_path / "results")
     bench.main(["--publish", "--out-dir", str(tmp_path / "mine")])
-    assert _files(tmp_path) == ["mine/compressors.json", "mine/compressors.md", "mine/compressors.png"]
+    assert files_under(tmp_path) == ["mine/compressors.json", "mine/compressors.md", "mine/compressors.png"]
 
 
 @pytest.mark.parametrize("module", [bench, torch_compare])
@@ -129,8 +116,8 @@ def test_torch_compare_writes_under_runs_unless_published(publish, monkeypatch, 
     readme.write_text("<!-- results:torch_compare:start -->\nold\n<!-- results:torch_compare:end -->\n")
     result = torch_compare.main(["--repeats", "1", *(["--publish", "--readme", str(readme)] if publish else [])])
     written, empty = (results, runs) if publish else (runs, results)
-    assert _files(written) == ["benchmarks/torch_compare.json", "benchmarks/torch_compare.md"]
-    assert _files(empty) == []
+    assert files_under(written) == ["benchmarks/torch_compare.json", "benchmarks/torch_compare.md"]
+    assert files_under(empty) == []
     on_disk = json.loads((written / "benchmarks" / "torch_compare.json").read_text())
     assert on_disk == json.loads(json.dumps(result)) and on_disk["rows"][0]["ratio"] == 0.5
     md = (written / "benchmarks" / "torch_compare.md").read_text()

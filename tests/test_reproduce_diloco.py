@@ -8,6 +8,7 @@ import pytest
 
 from experiments import records
 from experiments.reproduce import diloco as repro
+from tests.helpers import files_under
 
 #: tiny settings, as --config.KEY=VALUE overrides of the default config (H = 4)
 TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train.eval_batches=1",
@@ -15,23 +16,9 @@ TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train
 ROWS = ["data-parallel", "streaming"]
 
 
-def _files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
 def _outputs(rows):
     return sorted([*(f"reproduce/diloco/{r}.json" for r in rows),
                    *(f"reproduce/{repro.NAME}.{ext}" for ext in ("json", "md", "png"))])
-
-
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
-    base = tmp_path_factory.mktemp("roots")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(records, "RUNS", base / "runs")
-        mp.setattr(records, "RESULTS", base / "results")
-        yield base / "runs", base / "results"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +32,7 @@ def tiny_run(roots):
 def test_rows_bytes_and_table_under_runs(tiny_run, roots):
     runs, results = roots
     rows, recs = tiny_run
-    assert _files(runs) == _outputs(ROWS) and _files(results) == []  # the committed results only with --publish
+    assert files_under(runs) == _outputs(ROWS) and files_under(results) == []  # the committed results only with --publish
     assert set(rows) == set(ROWS)
     dp, st = rows["data-parallel"], rows["streaming"]
     n = recs["data-parallel"]["config"]["num_params"]
@@ -83,12 +70,12 @@ def test_publish_writes_the_committed_folder_and_report_only_reads_it(tiny_run, 
     replay = {k: {key: v for key, v in r.items() if key != "reproduction"} for k, r in recs.items()}
     monkeypatch.setattr(repro, "run", lambda row, config: json.loads(json.dumps(replay[row])))
     published = repro.main(["--rows", *ROWS, "--publish", *TINY])
-    assert _files(results) == _outputs(ROWS) and _files(runs) == []
+    assert files_under(results) == _outputs(ROWS) and files_under(runs) == []
     assert published == list(rows.values())
     md = (results / "reproduce" / f"{repro.NAME}.md").read_text()
     monkeypatch.setattr(repro, "run", lambda row, config: pytest.fail("--report-only trained"))
     assert repro.main(["--report-only", "--publish", *TINY]) == published
-    assert (results / "reproduce" / f"{repro.NAME}.md").read_text() == md and _files(runs) == []
+    assert (results / "reproduce" / f"{repro.NAME}.md").read_text() == md and files_under(runs) == []
 
 
 @pytest.mark.parametrize("args, says", [
@@ -105,4 +92,4 @@ def test_a_bad_argument_exits_with_one_line(args, says, monkeypatch, tmp_path):
         repro.main(args)
     msg = str(e.value)
     assert says in msg and "\n" not in msg and msg.startswith(repro.PROG)
-    assert _files(tmp_path / "runs") == []
+    assert files_under(tmp_path / "runs") == []

@@ -10,25 +10,12 @@ import pytest
 
 from experiments import records
 from experiments.reproduce import federated as repro
+from tests.helpers import files_under
 
 #: a tiny setting, as --config.KEY=VALUE overrides of the default config
 TINY = ["--config.num_clients=20", "--config.participation=0.2", "--config.local_steps=2", "--config.batch_size=8",
         "--config.rounds=2", "--config.eval_every=2", "--config.seeds=0", "--config.train_limit=2000"]
 OUTPUTS = [f"reproduce/{repro.NAME}.{ext}" for ext in ("json", "md", "png")]
-
-
-def _files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    """records.RUNS and records.RESULTS moved to empty temporary folders for the module."""
-    base = tmp_path_factory.mktemp("roots")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(records, "RUNS", base / "runs")
-        mp.setattr(records, "RESULTS", base / "results")
-        yield base / "runs", base / "results"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +28,7 @@ def tiny_run(roots):
 def test_rows_bytes_split_and_outputs_under_runs(tiny_run, roots):
     runs, results = roots
     summary, record = tiny_run
-    assert _files(runs) == OUTPUTS and _files(results) == []  # the committed results only with --publish
+    assert files_under(runs) == OUTPUTS and files_under(results) == []  # the committed results only with --publish
     assert set(summary) == {"scallion-rand5%"}
     assert record["command"] == " ".join([repro.PROG, "--rows", "scallion-rand5%", *TINY])
     assert record["provenance"]["command"] == record["command"]
@@ -77,7 +64,7 @@ def test_publish_writes_the_committed_folder(tiny_run, monkeypatch, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n<!-- results:{repro.NAME}:start -->\nold\n<!-- results:{repro.NAME}:end -->\nafter\n")
     summary = repro.main(["--rows", "scallion-rand5%", "--publish", "--readme", str(readme), *TINY])
-    assert _files(results) == OUTPUTS and _files(runs) == []
+    assert files_under(results) == OUTPUTS and files_under(runs) == []
     published = json.loads((results / "reproduce" / f"{repro.NAME}.json").read_text())
     assert published["summary"] == json.loads(json.dumps(summary)) == record["summary"]
     assert published["command"].endswith("--publish --readme " + " ".join([str(readme), *TINY]))
