@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
@@ -78,7 +79,9 @@ def load(default_file: str | Path, argv: Sequence[str] = (), *, prog: str = "") 
     file_arg = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), str(default_file))
     if not Path(file_arg.split(":", 1)[0]).is_file():
         raise SystemExit(f"{head}--config {file_arg}: no such config file")
-    with mock.patch.object(sys, "argv", ["prog", *args]):  # config_flags reads sys.argv when defining the flag
+    with mock.patch.object(sys, "argv", ["prog", *args]), warnings.catch_warnings():  # config_flags reads sys.argv
+        # ml_collections loads the config file with the deprecated importlib load_module (its own warning, per file)
+        warnings.filterwarnings("ignore", "the load_module", DeprecationWarning)
         try:
             config_flags.DEFINE_config_file("config", str(default_file), flag_values=fv, lock_config=True)
             fv(["prog", *args])
@@ -90,6 +93,42 @@ def load(default_file: str | Path, argv: Sequence[str] = (), *, prog: str = "") 
             msg = " ".join(str(e).replace("flag --", "--").split())
             raise SystemExit(f"{head}{msg}") from None
     return config
+
+
+def script_parser(prog: str, doc: str | None, default_file: str | Path, example: str,
+                  config_help: str | None = None) -> OneLineParser:
+    """The command line of a reproduction script: ``--config FILE`` and ``--config.KEY=VALUE`` beside its own flags.
+
+    Args:
+      prog: the command, e.g. ``"python -m experiments.reproduce.dga"``.
+      doc: the help text (the script's module docstring).
+      default_file: the config file used without ``--config``.
+      example: an override shown in ``--help``, e.g. ``"--config.train.epochs=1"``.
+      config_help: the whole ``--config`` help instead of the generated one.
+
+    Returns:
+      A :class:`OneLineParser` with ``--config``; the script adds its flags and
+      calls :func:`parse_script`.
+    """
+    p = OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shown = Path(default_file).resolve()
+    shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
+    p.add_argument("--config", metavar="FILE", help=config_help or (
+        f"config file (default: {shown}); --config.KEY=VALUE overrides a key, e.g. {example}"))
+    return p
+
+
+def parse_script(parser: argparse.ArgumentParser, argv: Sequence[str], default_file: str | Path,
+                 ) -> tuple[ml_collections.ConfigDict, argparse.Namespace, list[str]]:
+    """``(config, args, config_args)`` of a script's ``argv``: the config (:func:`load`), the other flags, and the
+    ``--config*`` arguments as given (:func:`split_config_args`).
+
+    Raises:
+      SystemExit: one line naming a bad flag, config file or key.
+    """
+    config_args, rest = split_config_args(argv)
+    args = parser.parse_args(rest)
+    return load(default_file, config_args, prog=parser.prog), args, config_args
 
 
 def _unknown(arg: str, err: Exception) -> bool:

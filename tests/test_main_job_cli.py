@@ -159,3 +159,24 @@ def test_results_table_averages_seeds_and_shows_the_spread(tmp_path):
     text = results_table.table(results_table.load_summaries(runs))
     row = next(x for x in text.splitlines() if x.startswith("| topk"))
     assert "| 89.00% ± 1.41 | 0, 1 |" in row and "| 50.0× | 5 | 1170 |" in row
+
+
+SCRIPTS = ("main_job", "dgc", "dga", "diloco", "federated", "bandwidth_table")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_reproduction_takes_its_config_the_same_way(script, capsys):
+    """--config.KEY overrides of an unknown key, a missing file and a bad flag: one line naming it; --help names
+    the default config file."""
+    import importlib
+
+    mod = importlib.import_module(f"experiments.reproduce.{script}")
+    for argv, named in ((["--config.nope=1"], "--config.nope: no such key"),
+                        (["--config", "nowhere.py"], "--config nowhere.py: no such config file"),
+                        (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        assert named in str(e.value) and str(e.value).startswith(mod.PROG) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    assert "experiments/configs/" in capsys.readouterr().out

@@ -58,7 +58,6 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                                " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
-import argparse
 import functools
 import json
 import math
@@ -482,16 +481,12 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/bandwidth_table.py); "
-                   "--config.KEY=VALUE overrides a key, e.g. --config.workers=8,16")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.workers=8,16")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--small", action="store_true", help="tiny models of the same families (tests)")
     p.add_argument("--audit", action="store_true",
                    help="also compile each program and check its collectives' bytes against the trace (slow)")
-    args = p.parse_args(rest)
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     check(config)
     out_dir = records.output_dir(args, "reproduce")
     command = shlex.join([*PROG.split(), *argv])

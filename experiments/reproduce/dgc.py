@@ -34,7 +34,6 @@ the whole run (warm-up included).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -173,20 +172,17 @@ def plot(results: Results, path: Path, title: str) -> None:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/dgc_fashion_mnist_cnn.py; "
-                   "experiments/configs/dgc_cifar10_resnet20.py for CIFAR-10); --config.KEY=VALUE overrides a key, "
-                   "e.g. --config.train.epochs=1 for every run")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "", config_help=(
+        "config file (default: experiments/configs/dgc_fashion_mnist_cnn.py; experiments/configs/dgc_cifar10_resnet20.py "
+        "for CIFAR-10); --config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run"))
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. DGC")
     p.add_argument("--readme", type=Path, default=None, help="also replace the results:dgc_<config> block of this file")
     p.add_argument("--seeds", default=None, help="comma-separated seeds to run (default: the config's seeds); "
                    "the table averages every seed it finds")
-    args = p.parse_args(rest)
+    config, args, config_args = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     path = next((a.split("=", 1)[1] for a in config_args if a.startswith("--config=")), str(DEFAULT_CONFIG))
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
     name = tag(path)
     out_dir = records.output_dir(args, "reproduce")
     record_dir = out_dir / "dgc" / name

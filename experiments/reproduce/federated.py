@@ -41,7 +41,6 @@ config, provenance, split histogram, every curve), ``.md`` (the table) and
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -314,15 +313,11 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/federated_fashion_mnist.py); "
-                   "--config.KEY=VALUE overrides a key, e.g. --config.rounds=20 --config.seeds=0")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.rounds=20 --config.seeds=0")
     p.add_argument("--rows", default="", help="comma-separated names of the config's rows to run (default: all)")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(rest)
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     check(config)
     all_rows = rows_of(config)
     rows = args.rows.split(",") if args.rows else list(all_rows)

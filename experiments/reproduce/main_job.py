@@ -17,7 +17,6 @@ a row, mean ± standard deviation) goes to ``<out>/main_job.md``, where
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -48,16 +47,12 @@ def runs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDi
 
 def main(argv=None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/main_job_table.py); "
-                   "--config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table from the records")
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. topk,dgc")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(rest)
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     todo = runs(config)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if unknown := sorted(set(only) - set(todo)):
