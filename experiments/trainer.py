@@ -314,21 +314,46 @@ def record_step(prog: dict, s, loss: np.ndarray, done: int, n: int, bar) -> None
 def end_epoch(prog: dict, apply, p, x_test, y_test, dense_bytes: int, t_start: float, f) -> None:
     """Evaluate, write the epoch's record and start the next epoch's counters."""
     prog["skipped"] += prog["skipped_epoch"]
-    acc = models.accuracy(apply, parallel.unreplicate(p), x_test, y_test)
+    model, worker0 = evaluated_params(p)
+    acc = models.accuracy(apply, model, x_test, y_test)
     bps = prog["bytes_per_step"]
     rec = {"kind": "epoch", "epoch": prog["epoch"] + 1, "step": prog["done"],
            "train_loss": float(np.mean(prog["losses"])) if prog["losses"] else None,  # over the steps applied
            "test_accuracy": acc, "payload_bytes_per_step": bps,
            "compression_ratio": dense_bytes / bps if bps else None,
            "skipped_steps": prog["skipped_epoch"], "wall_s": time.time() - t_start}
+    if worker0 is not None:  # the workers' models differ (delayed averaging): worker 0's own model too
+        rec["evaluated"] = "workers' average"
+        rec["test_accuracy_worker0"] = models.accuracy(apply, worker0, x_test, y_test)
     prog["records"].append(rec)
     f.write(json.dumps(rec) + "\n")
     f.flush()
     ratio = f"{rec['compression_ratio']:.1f}x" if rec["compression_ratio"] else "n/a"
     loss_txt = "n/a" if rec["train_loss"] is None else f"{rec['train_loss']:.4f}"
-    tqdm.write(f"epoch {prog['epoch'] + 1}: test accuracy {acc:.4f} | train loss {loss_txt} | "
+    own = f" (workers' average; worker 0: {rec['test_accuracy_worker0']:.4f})" if "evaluated" in rec else ""
+    tqdm.write(f"epoch {prog['epoch'] + 1}: test accuracy {acc:.4f}{own} | train loss {loss_txt} | "
                f"payload {bps:,} B/step/worker (last step) | ratio vs identity {ratio}")
     prog.update(epoch=prog["epoch"] + 1, i=0, losses=[], skipped_epoch=[])
+
+
+def evaluated_params(p):
+    """``(model, worker0)``: the parameters to evaluate and, when the workers' parameters differ, worker 0's.
+
+    Synchronous methods keep every worker's parameters equal: the model is worker
+    0's and ``worker0`` is None.  Under delayed gradient averaging each worker
+    has also applied its own last ``D`` local gradients, not yet replaced by
+    their averages; the model evaluated is then the workers' average (the mean
+    of the workers' updates is the synchronous update ``mean_j g^j_t`` at every
+    step, so the average follows the data-parallel trajectory, with gradients
+    taken at the workers' own parameters), and worker 0's model is returned
+    beside it.  With several processes every process must call this (it
+    gathers the parameters).
+    """
+    host = parallel.gather(p)
+    if all(bool((x == x[:1]).all()) for x in jax.tree.leaves(host)):
+        return parallel.unreplicate(p), None
+    first = jax.tree.map(lambda x: x[0], host)
+    return jax.tree.map(lambda x: x.mean(axis=0, dtype=np.float64).astype(x.dtype), host), first
 
 
 def make_summary(prog: dict, config: dict, p, dense_bytes: int, t_start: float, steps_per_epoch: int) -> dict:
@@ -338,6 +363,8 @@ def make_summary(prog: dict, config: dict, p, dense_bytes: int, t_start: float, 
             "steps_taken": prog["done"], "epochs_run": prog["done"] / steps_per_epoch,
             "skipped_steps": prog["skipped"],
             "test_accuracy": records_[-1]["test_accuracy"] if records_ else None,
+            **({"evaluated": records_[-1]["evaluated"], "test_accuracy_worker0": records_[-1]["test_accuracy_worker0"]}
+               if records_ and "evaluated" in records_[-1] else {}),
             "train_loss": records_[-1]["train_loss"] if records_ else None,
             "payload_bytes_per_step": prog["bytes_per_step"],
             "payload_bytes_mean_per_step": prog["bytes_total"] / max(run, 1),

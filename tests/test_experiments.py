@@ -185,3 +185,19 @@ def test_main_job_runs_delayed_averaging_with_an_inner_compressor(tmp_path):
     topk_bytes = summary["payload_bytes_per_step"] - vote  # the last step sent the first step's gradient
     assert 9 < summary["dense_bytes_per_step"] / topk_bytes < 10.1  # 5% of each layer at 8 B vs 4 B: ~10x
     assert summary["payload_bytes_mean_per_step"] == pytest.approx((2 * vote + topk_bytes + vote) / 3)
+    # The workers' parameters differ by their own last local gradients: the workers' average is evaluated,
+    # worker 0's model beside it.
+    assert summary["evaluated"] == "workers' average"
+    assert 0 <= summary["test_accuracy_worker0"] <= 1
+
+
+def test_evaluated_model_is_the_workers_average_when_they_differ():
+    same = {"w": np.tile(np.arange(3.0, dtype=np.float32), (4, 1))}
+    model, worker0 = trainer.evaluated_params(same)
+    assert worker0 is None
+    np.testing.assert_array_equal(model["w"], [0.0, 1.0, 2.0])
+    differ = {"w": np.arange(12.0, dtype=np.float32).reshape(4, 3)}
+    model, worker0 = trainer.evaluated_params(differ)
+    np.testing.assert_array_equal(model["w"], [4.5, 5.5, 6.5])
+    np.testing.assert_array_equal(worker0["w"], [0.0, 1.0, 2.0])
+    assert model["w"].dtype == np.float32

@@ -69,7 +69,8 @@ def test_dga_table_is_what_its_records_say():
     saved = json.loads((RESULTS / "reproduce" / "dga_fashion_mnist_cnn.json").read_text())
     for row in saved["rows"]:  # accuracy, bytes and steps come from the JSONL records
         _, summary = dgc.read_records(RESULTS / "reproduce" / "dga" / f"delay{row['delay']}.jsonl")
-        assert (row["accuracy"], row["bytes"], row["steps"]) == (
-            summary["test_accuracy"], summary["payload_bytes_per_step"], summary["steps"])
+        assert (row["accuracy"], row["accuracy_worker0"], row["bytes"], row["steps"]) == (
+            summary["test_accuracy"], summary.get("test_accuracy_worker0"), summary["payload_bytes_per_step"],
+            summary["steps"])
     net = saved["network"].get("name", "wan")
     assert dga.table(saved["rows"], net, saved["compute_s"]) == generated(SOURCES["dga_fashion_mnist_cnn"])

@@ -64,6 +64,8 @@ def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
             "--config.train.batch_size=64"]
     rows = dga.main(["--out-dir", str(tmp_path), "--delays", "0,2", *tiny])
     assert [r["delay"] for r in rows] == [0, 2]
+    # D = 0 keeps the workers equal; with D = 2 worker 0's own model is reported beside the average
+    assert rows[0]["accuracy_worker0"] is None and rows[1]["accuracy_worker0"] is not None
     assert rows[0]["bytes"] == 4 * 206_922  # the dense float32 exchange; no non-finite vote (see the config)
     md = (tmp_path / "dga_fashion_mnist_cnn.md").read_text()
     assert md.count("\n| ") == 3 and "paper's system" in md  # header + 2 runs

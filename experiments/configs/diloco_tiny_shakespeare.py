@@ -27,10 +27,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.lr = 3e-3  # AdamW's peak: linear warm-up, cosine decay to lr / 10 at the last step
     config.warmup_steps = 50  # or a quarter of a shorter run
     config.weight_decay = 0.1  # AdamW's
-    config.sync_every = 50  # H: inner steps between outer steps (every DiLoCo row)
-    # Streaming DiLoCo: fragments synced at offsets 0, H / fragments, ...; overlap tau; mixing alpha; outer
+    config.sync_every = 50  # H: inner steps between outer steps (the plain DiLoCo rows)
+    # Streaming DiLoCo: its own H (sync_every; 0 takes the rows' H above); fragments synced at offsets 0,
+    # H / fragments, ...; overlap tau; mixing alpha; outer
     # Nesterov SGD (momentum 0.9) at outer_lr; outer gradients as 4-bit E3M0 without error feedback.
-    config.streaming = ml_collections.ConfigDict({"fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.4})
+    config.streaming = ml_collections.ConfigDict({"sync_every": 0, "fragments": 2, "overlap": 1, "alpha": 0.5,
+                                                  "outer_lr": 0.4})
     config.topk_ratio = 0.05  # DiLoCo + top-k: outer gradients through cj.topk(ratio) with error feedback
     config.muon_lr = 0.02  # the Muon rows: Muon's peak for the matrices (AdamW's schedule for the rest)
     return config

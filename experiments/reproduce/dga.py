@@ -36,7 +36,6 @@ The modeled run time is the number of steps times the step time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -108,17 +107,21 @@ def model_step(ops, delay: int, network, compute_s: float, workers: int = WORKER
 def table(rows: list[dict], network_name: str, compute_s: float) -> str:
     base = next(r for r in rows if r["delay"] == 0)
     lines = [
-        f"Network `{network_name}`, {WORKERS} workers; compute {1e3 * compute_s:.1f} ms/step (one worker's forward "
-        "and backward pass, measured on this CPU); communication from the audited step.",
+        (f"Network `{network_name}`, {WORKERS} workers; compute {1e3 * compute_s:.1f} ms/step (one worker's forward "
+         "and backward pass, measured on this CPU); communication from the audited step. Test accuracy of the "
+         "workers' average model (with D > 0 each worker has also applied its own last D local gradients, whose "
+         "averages are still in flight; worker 0's own model beside it)."),
         "",
-        "| delay D | test accuracy | Δ vs D = 0 (points) | bytes/step/worker | modeled comm (ms/step) | "
-        "modeled step, paper's system (ms) | modeled run, paper's system (s) | speedup | "
-        "modeled step, in-step overlap (ms) | speedup (in-step) | epochs | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ("| delay D | test accuracy | Δ vs D = 0 (points) | worker 0's model | bytes/step/worker | "
+         "modeled comm (ms/step) | modeled step, paper's system (ms) | modeled run, paper's system (s) | speedup | "
+         "modeled step, in-step overlap (ms) | speedup (in-step) | epochs | steps |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        own = r.get("accuracy_worker0")
         lines.append(
             f"| {r['delay']} | {100 * r['accuracy']:.2f}% | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
+            f"{'same' if own is None else f'{100 * own:.2f}%'} | "
             f"{r['bytes']:,} | {1e3 * r['comm']:.1f} | {1e3 * r['paper']:.1f} | {r['paper'] * r['steps']:.0f} | "
             f"{base['paper'] / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {base['in_step'] / r['in_step']:.2f}× | "
             f"{r['epochs']:g} | {r['steps']} |"
@@ -154,16 +157,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/dga_fashion_mnist_cnn.py); "
-                   "--config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(rest)
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     out_dir = records.output_dir(args, "reproduce")
     from compjax import netmodel
 
@@ -190,7 +189,8 @@ def main(argv=None) -> list[dict]:
         compute_s = c if compute_s is None else compute_s  # one measurement for every row
         ops = audits[d]
         times = model_step(ops, d, network, compute_s)
-        rows.append({"delay": d, "accuracy": summary["test_accuracy"], "bytes": summary["payload_bytes_per_step"],
+        rows.append({"delay": d, "accuracy": summary["test_accuracy"],
+                     "accuracy_worker0": summary.get("test_accuracy_worker0"), "bytes": summary["payload_bytes_per_step"],
                      "steps": summary["steps"], "epochs": summary.get("epochs_run", len(epochs)), **times})
     if not any(r["delay"] == 0 for r in rows):
         raise SystemExit(f"no record of the delay-0 run under {record_dir}")

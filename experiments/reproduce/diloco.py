@@ -35,7 +35,6 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                                " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
-import argparse
 import json
 import shlex
 from pathlib import Path
@@ -54,11 +53,16 @@ def labels(config) -> dict[str, str]:
     return {
         "data-parallel": "data-parallel (AdamW, fp32 all-reduce every step)",
         "diloco": f"DiLoCo, H = {h} (fp32 outer gradients)",
-        "streaming": f"Streaming DiLoCo, H = {h}, {st.fragments} fragments, τ = {st.overlap}, E3M0",
+        "streaming": f"Streaming DiLoCo, H = {streaming_h(config)}, {st.fragments} fragments, τ = {st.overlap}, E3M0",
         "diloco-topk": f"DiLoCo, H = {h}, top-k {100 * config.topk_ratio:g}% + error feedback",
         "diloco-muon": f"DiLoCo, H = {h}, Muon inner",
         "data-parallel-muon": "data-parallel (Muon, fp32 all-reduce every step)",
     }
+
+
+def streaming_h(config) -> int:
+    """The Streaming DiLoCo row's H: ``config.streaming.sync_every``, or the DiLoCo rows' ``config.sync_every``."""
+    return config.streaming.get("sync_every") or config.sync_every
 
 
 def warmup(config, steps: int) -> int:
@@ -90,7 +94,7 @@ def make_tx(row: str, config):
         if row == "diloco":
             return cj.diloco(adamw, sync_every=h, axis_name=ax)
         if row == "streaming":
-            return cj.diloco(adamw, sync_every=h, fragments=st.fragments, overlap=st.overlap, alpha=st.alpha,
+            return cj.diloco(adamw, sync_every=streaming_h(config), fragments=st.fragments, overlap=st.overlap, alpha=st.alpha,
                              outer=optax.sgd(st.outer_lr, momentum=0.9, nesterov=True),
                              compressor=cj.e3m0(error_feedback=False, skip_nonfinite=False, axis_name=ax),
                              axis_name=ax)
@@ -192,16 +196,12 @@ def plot(results: dict[str, dict], path: Path, config) -> None:
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    config_args, rest = config_cli.split_config_args(argv)
-    p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="config file (default: experiments/configs/diloco_tiny_shakespeare.py); "
-                   "--config.KEY=VALUE overrides a key, e.g. --config.train.steps=100")
+    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.steps=100")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="which runs (default: all)")
     p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from the records")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    args = p.parse_args(rest)
-    config = config_cli.load(DEFAULT_CONFIG, config_args, prog=PROG)
+    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
     out = records.output_dir(args, "reproduce")
     record_dir = out / "diloco"
     command = shlex.join([*PROG.split(), *argv])
