@@ -138,3 +138,34 @@ def test_threshold_moves_until_it_settles(thr0):
                                            return_settled=True)
     assert bool(settled)
     assert set(np.asarray(idx).tolist()) == set(np.asarray(jax.lax.top_k(jnp.abs(x), 500)[1]).tolist())
+
+
+def test_topk_many_is_exact_per_layer_and_one_fallback_leaves_the_others_settled():
+    """Layers selected together (one loop and one fallback branch for all): each equals its own lax.top_k;
+    a layer that cannot settle (ties) falls back alone, a small layer uses lax.top_k, a low first guess moves."""
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(100_000).astype(np.float32),
+          np.concatenate([np.ones(20_000), np.zeros(20_000)]).astype(np.float32),  # 20,000 ties for k = 100
+          rng.standard_normal(3_000).astype(np.float32),  # small: lax.top_k directly
+          (rng.standard_normal(60_000) * np.exp(rng.standard_normal(60_000) * 3)).astype(np.float32),  # heavy tails
+          rng.standard_normal(2_000_000).astype(np.float32)]
+    ks = [1_000, 100, 30, 600, 2_000]
+    out = jax.jit(lambda xs: select.topk_many(xs, ks, return_settled=True))([jnp.asarray(x) for x in xs])
+    assert [bool(s) for _, _, s in out] == [True, False, False, True, True]
+    for x, k, (idx, val, _) in zip(xs, ks, out):
+        idx = np.asarray(idx)
+        want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)[1])
+        assert idx.shape == (k,) and set(idx.tolist()) == set(want.tolist())
+        np.testing.assert_array_equal(np.asarray(val), x[idx])
+
+
+def test_randomk_many_layers_are_the_largest_bits_of_each():
+    st = cr.stream(jax.random.PRNGKey(9), 3, 0)
+    sizes, ks, offs = [50_000, 4_000, 120_000], [500, 40, 1_200], [0, 50_000, 54_000]
+    fns = [lambda j, o=o: cr.bits(st, j.astype(jnp.uint32) + jnp.uint32(o)) for o in offs]
+    out = jax.jit(lambda: select.randomk_many(sizes, ks, fns))()
+    np_st = np_stream(np.asarray(jax.random.PRNGKey(9)), 3, 0)
+    for size, k, o, (idx, settled) in zip(sizes, ks, offs, out):
+        want = np.argsort(-np_bits(np_st, np.arange(size) + o))[:k]
+        assert set(np.asarray(idx).tolist()) == set(want.tolist())
+        assert bool(settled) == select.worth_it(size, k)

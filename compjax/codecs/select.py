@@ -11,9 +11,11 @@ over the scores when its first threshold lands:
    moved (steps that double, then bisection) until
    ``k <= count <= capacity``, at most ``max_iters`` times (each try is one
    more pass);
-2. **compaction** -- a prefix sum over the ``size / 32`` block counts, a binary
-   search per candidate slot for its block, and the slot's set bit found by
-   popcounts in its word: the ``count`` candidate indices, in increasing order;
+2. **compaction** -- a prefix sum over the ``size / 32`` block counts; every
+   non-empty block writes its index at its first candidate slot and a
+   running maximum over the ``capacity`` slots gives each slot its block (no
+   binary search); the slot's set bit is found by popcounts in its word: the
+   ``count`` candidate indices, in increasing order;
 3. **exact k-th score among the candidates** -- bisection on the 32 bits of
    the score over the ``capacity`` candidates; the entries above it and the
    first (lowest-index) entries equal to it make the ``k``.
@@ -24,6 +26,19 @@ result **equals** exact top-k, ties broken by the lowest index like
 scores, or many equal ones), the selection falls back to ``jax.lax.top_k``
 over all scores.  Shapes are static: always exactly ``k`` indices.
 
+Several layers are selected **together** (:func:`topk_many`,
+:func:`randomk_many`): their threshold moves share one loop (whose body
+usually never runs), their bisections one loop and their fallbacks one
+branch, taken only when some layer did not settle.  On XLA:CPU a loop or a
+branch per layer serializes the program; without them the layers' kernels
+run side by side.
+
+XLA:CPU notes: ``jax.lax.top_k`` of float32 runs a partial sort (custom call)
+but of integers a full sort of the array, so samples and fallbacks on
+magnitudes use float32; the magnitude flag pass compares the floats with the
+threshold (``not -t < x < t``) so that no elementwise step depends on the
+layer alone (XLA would hoist it out of the loop and write it as an array).
+
 Scores are uint32 and 0 means "never a candidate" (a threshold is >= 1); for
 magnitudes, :func:`magnitude_scores` orders floats as integers.
 """
@@ -31,12 +46,17 @@ magnitudes, :func:`magnitude_scores` orders floats as integers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BLOCK", "default_capacity", "magnitude_scores", "threshold_select", "worth_it"]
+__all__ = [
+    "BLOCK", "MIN_SAMPLE_HITS", "default_capacity", "magnitude_scores", "randomk", "randomk_many",
+    "threshold_select", "topk", "topk_many", "worth_it",
+]
 
 #: Entries per flag word.
 BLOCK = 32
@@ -68,7 +88,9 @@ def worth_it(size: int, k: int) -> bool:
 
 def sparse_regime(size: int, k: int) -> bool:
     """Whether ``k`` is small enough for the block-maxima selection (:func:`compjax.codecs.threshold.sampled_topk`):
-    its ``1.25 k`` candidate blocks of 32 entries are at most 1/8 of the layer (ratio below ~0.003)."""
+    its ``1.25 k`` candidate blocks of 32 entries are at most 1/8 of the layer (ratio below ~0.003).
+
+    :func:`topk_many` selects these layers through :func:`threshold_select` too (together with the others)."""
     return math.ceil(1.25 * k) * 32 * 8 <= size
 
 
@@ -98,6 +120,27 @@ def _cumsum(x: jnp.ndarray, width: int = 32) -> jnp.ndarray:
     return (m + (jnp.cumsum(ends) - ends)[:, None]).reshape(-1)[:n]
 
 
+def _magnitude_words(x: jnp.ndarray, thr: jnp.ndarray, *, nb: int) -> jnp.ndarray:
+    """Flag words (like :func:`_words`) of a set ``F`` that holds ``{magnitude_scores(x) >= thr}``, ``x`` flat float.
+
+    ``F = {i : not (-t < x[i] < t)}`` for the float ``t`` whose bits are ``thr``:
+    two comparisons of ``x`` with a scalar, so that no step of the pass
+    depends on ``x`` alone (XLA would hoist it out of the threshold loop and
+    write it as one more array).  ``F`` equals ``{score >= thr}`` for
+    ``thr <= 0x7F800000`` (NaNs score above infinity and are always in ``F``);
+    it is always upward closed in the scores (with every entry it holds every
+    larger or equal score) and contains that set, which is all the selection
+    needs: when ``k <= |F|`` every entry of the top ``k`` is in ``F``.
+    """
+    x = x.astype(jnp.float32) if jnp.dtype(x.dtype).itemsize != 4 else x
+    t = jax.lax.bitcast_convert_type(jnp.minimum(thr, jnp.uint32(0x7F800000)), jnp.float32)
+    flags = ~((x < t) & (x > -t))
+    pad = nb * BLOCK - x.shape[0]
+    flags = jnp.pad(flags, (0, pad)).reshape(nb, BLOCK).astype(jnp.uint32)
+    lanes = jnp.arange(BLOCK, dtype=jnp.uint32)[None, :]
+    return jnp.sum(flags << lanes, axis=1, dtype=jnp.uint32)
+
+
 def _count(words: jnp.ndarray) -> jnp.ndarray:
     return jnp.sum(jax.lax.population_count(words).astype(jnp.int32))
 
@@ -118,6 +161,134 @@ def _exact(scores: jnp.ndarray, k: int) -> jnp.ndarray:
     """Indices of the k largest uint32 scores by ``jax.lax.top_k`` (ties: lowest index first), int32 ``(k,)``."""
     signed = jax.lax.bitcast_convert_type(scores ^ jnp.uint32(0x80000000), jnp.int32)  # keeps the order
     return jax.lax.top_k(signed, k)[1].astype(jnp.int32)
+
+
+def _cummax(x: jnp.ndarray, width: int = 32) -> jnp.ndarray:
+    """Inclusive running maximum of a non-negative int32 vector (the row-doubling scheme of :func:`_cumsum`)."""
+    n = x.shape[0]
+    if n <= 4 * width:
+        return jax.lax.cummax(x)
+    rows = -(-n // width)
+    m = jnp.pad(x, (0, rows * width - n)).reshape(rows, width)
+    shift = 1
+    while shift < width:
+        m = jnp.maximum(m, jnp.pad(m, ((0, 0), (shift, 0)))[:, :width])
+        shift *= 2
+    ends = jax.lax.cummax(m[:, -1])
+    before = jnp.pad(ends[:-1], (1, 0))
+    return jnp.maximum(m, before[:, None]).reshape(-1)[:n]
+
+
+class _Layer(NamedTuple):
+    """One layer's threshold selection: how to flag, score and (as a fallback) select it exactly."""
+
+    words_at: Callable[[jnp.ndarray], jnp.ndarray]  # thr -> uint32 (nb,) flag words of a set holding {score >= thr}
+    score_at: Callable[[jnp.ndarray], jnp.ndarray]  # int32 indices -> uint32 scores
+    exact: Callable[[], jnp.ndarray]  # () -> int32 (k,) exact top-k
+    size: int
+    k: int
+    thr0: jnp.ndarray
+    step0: float
+    cap: int
+    max_iters: int
+
+
+def _select_many(layers: list[_Layer]) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
+    """:func:`threshold_select` of several layers at once: ``[(indices, settled), ...]``.
+
+    The layers share their control flow, so that XLA sees one program of
+    independent per-layer kernels (which it runs side by side) instead of a
+    loop and a branch per layer: one threshold loop whose body moves the
+    threshold of the layers that have not settled (none, usually: the loop
+    body does not run), one bisection loop over all the layers' candidates, and
+    one branch for the exact fallback, taken only if some layer did not settle.
+    """
+    if not layers:
+        return []
+
+    def outside(c, lay):
+        return (c < lay.k) | (c > lay.cap)
+
+    def live(carry, lay):
+        return outside(carry[5], lay) & (carry[6] < lay.max_iters)
+
+    def adjust(lay, carry):
+        thr, lo, hi, step, _, c, it = carry  # lo: highest thr with > cap candidates; hi: lowest with < k
+        too_low = c > lay.cap
+        lo = jnp.where(too_low, jnp.maximum(lo, thr), lo)
+        hi = jnp.where(too_low, hi, jnp.minimum(hi, thr))
+        bracketed = (lo > 0) & (hi < jnp.uint32(0xFFFFFFFF))
+        up = jnp.minimum(thr.astype(jnp.float32) + step, 4294967040.0).astype(jnp.uint32)
+        down = jnp.maximum(thr.astype(jnp.float32) - step, 1.0).astype(jnp.uint32)
+        guess = jnp.where(too_low, up, down)
+        mid = lo + (hi - lo) // jnp.uint32(2)
+        thr = jnp.where(bracketed, mid, guess)
+        w = lay.words_at(thr)
+        return thr, lo, hi, step * 2, w, _count(w), it + 1
+
+    inits = []
+    for lay in layers:
+        thr0 = jnp.maximum(jnp.asarray(lay.thr0, jnp.uint32), jnp.uint32(1))
+        w0 = lay.words_at(thr0)
+        c0 = _count(w0)
+        # Every carry derived from both thr0 and the count, so that it has their varying axes under shard_map.
+        z = c0.astype(jnp.uint32) * jnp.uint32(0) + thr0 * jnp.uint32(0)
+        inits.append((thr0 + z, z, z + jnp.uint32(0xFFFFFFFF), z.astype(jnp.float32) + lay.step0, w0,
+                      c0 + z.astype(jnp.int32), z.astype(jnp.int32)))
+
+    def any_live(carries):
+        return jnp.any(jnp.stack([live(cr, lay) for cr, lay in zip(carries, layers)]))
+
+    def move(carries):  # one more pass over the layers that have not settled
+        return tuple(jax.lax.cond(live(cr, lay), partial(adjust, lay), lambda cr: cr, cr)
+                     for cr, lay in zip(carries, layers))
+
+    carries = jax.lax.while_loop(any_live, move, tuple(inits))
+    settled = [~outside(cr[5], lay) for cr, lay in zip(carries, layers)]
+
+    # Candidates: the entries flagged by the last words (garbage, but in range, where a layer did not settle).
+    cands, idxs = [], []
+    for cr, lay in zip(carries, layers):
+        words, c = cr[4], cr[5]
+        nb = words.shape[0]
+        counts = jax.lax.population_count(words).astype(jnp.int32)
+        start = _cumsum(counts) - counts  # first slot of each block's candidates
+        slots = jnp.arange(lay.cap, dtype=jnp.int32)
+        # Each non-empty block writes its index at its first slot (distinct slots < c), then a running
+        # maximum gives every slot its block: no binary search over the blocks.
+        owner = jnp.zeros((lay.cap,), jnp.int32).at[jnp.where(counts > 0, start, lay.cap)].set(
+            jnp.arange(nb, dtype=jnp.int32), mode="drop")
+        blk = jnp.minimum(_cummax(owner), nb - 1)
+        j = slots - start[blk]
+        valid = (slots < c) & (j < counts[blk])
+        idx = blk * BLOCK + _nth_set_bit(words[blk], jnp.where(valid, j, 0))
+        idx = jnp.where(valid, jnp.minimum(idx, lay.size - 1), 0)
+        cands.append(jnp.where(valid, lay.score_at(idx), jnp.uint32(0)))
+        idxs.append(idx)
+
+    def bit(b, kths):  # the k-th largest candidate score of every layer, one bit at a time
+        one = jnp.uint32(1) << (jnp.uint32(31) - b.astype(jnp.uint32))
+        return tuple(jnp.where(jnp.sum(cand >= (v | one), dtype=jnp.int32) >= lay.k, v | one, v)
+                     for cand, v, lay in zip(cands, kths, layers))
+
+    kths = jax.lax.fori_loop(0, 32, bit, tuple(cand[0] & jnp.uint32(0) for cand in cands))  # typed like cand
+
+    picked = []
+    for cand, idx, kth, lay in zip(cands, idxs, kths, layers):
+        k = lay.k
+        above = cand > kth
+        equal = cand == kth
+        take = above | (equal & (_cumsum(equal.astype(jnp.int32)) <= k - jnp.sum(above, dtype=jnp.int32)))
+        pos = _cumsum(take.astype(jnp.int32)) - 1
+        picked.append(jnp.zeros((k,), jnp.int32).at[jnp.where(take, pos, k)].set(idx, mode="drop"))
+
+    def fallback(picked):  # some layer did not settle: exact top-k there
+        return tuple(jax.lax.cond(s, lambda i: i, lambda i, lay=lay: lay.exact(), i)
+                     for s, i, lay in zip(settled, picked, layers))
+
+    everywhere = jnp.all(jnp.stack(settled))
+    picked = jax.lax.cond(everywhere, lambda p: p, fallback, tuple(picked))
+    return list(zip(picked, settled))
 
 
 def threshold_select(
@@ -155,86 +326,37 @@ def threshold_select(
       ValueError: ``k`` outside ``[1, size]`` or ``capacity < k``.
     """
     size = int(scores.shape[0])
+    cap = _check_k(size, k, capacity)
+    nb = -(-size // BLOCK)
+    [(idx, settled)] = _select_many([_Layer(lambda thr: _words(scores, thr, nb), score_at, lambda: _exact(scores, k),
+                                            size, k, thr0, step0, cap, max_iters)])
+    return (idx, settled) if return_settled else idx
+
+
+def _check_k(size: int, k: int, capacity: int | None) -> int:
+    """Validate ``k`` and ``capacity``; the capacity used (at most ``size``)."""
     if not 1 <= k <= size:
         raise ValueError(f"k must be in [1, {size}], got {k}")
     cap = default_capacity(k) if capacity is None else int(capacity)
     if cap < k:
         raise ValueError(f"capacity must be >= k = {k}, got {cap}")
-    cap = min(cap, size)
-    nb = -(-size // BLOCK)
-    thr0 = jnp.maximum(jnp.asarray(thr0, jnp.uint32), jnp.uint32(1))
-    w0 = _words(scores, thr0, nb)
+    return min(cap, size)
 
-    def outside(c):
-        return (c < k) | (c > cap)
 
-    def adjust(carry):
-        thr, lo, hi, step, _, c, it = carry  # lo: highest thr with > cap candidates; hi: lowest with < k
-        too_low = c > cap
-        lo = jnp.where(too_low, jnp.maximum(lo, thr), lo)
-        hi = jnp.where(too_low, hi, jnp.minimum(hi, thr))
-        bracketed = (lo > 0) & (hi < jnp.uint32(0xFFFFFFFF))
-        up = jnp.minimum(thr.astype(jnp.float32) + step, 4294967040.0).astype(jnp.uint32)
-        down = jnp.maximum(thr.astype(jnp.float32) - step, 1.0).astype(jnp.uint32)
-        guess = jnp.where(too_low, up, down)
-        mid = lo + (hi - lo) // jnp.uint32(2)
-        thr = jnp.where(bracketed, mid, guess)
-        w = _words(scores, thr, nb)
-        return thr, lo, hi, step * 2, w, _count(w), it + 1
-
-    def unsettled(carry):
-        return outside(carry[5]) & (carry[6] < max_iters)
-
-    c0 = _count(w0)
-    # Every carry derived from both thr0 and the count, so that it has their varying axes under shard_map.
-    z = c0.astype(jnp.uint32) * jnp.uint32(0) + thr0 * jnp.uint32(0)
-    init = (thr0 + z, z, z + jnp.uint32(0xFFFFFFFF), z.astype(jnp.float32) + step0, w0, c0 + z.astype(jnp.int32),
-            z.astype(jnp.int32))
-    _, _, _, _, words, c, _ = jax.lax.while_loop(unsettled, adjust, init)
-    settled = ~outside(c)
-
-    def from_candidates(words):
-        counts = jax.lax.population_count(words).astype(jnp.int32)
-        incl = _cumsum(counts)
-        slots = jnp.arange(cap, dtype=jnp.int32)
-        blk = jnp.searchsorted(incl, slots, side="right", method="scan_unrolled")
-        blk = jnp.minimum(blk, nb - 1).astype(jnp.int32)
-        j = slots - (incl[blk] - counts[blk])
-        valid = slots < c
-        idx = blk * BLOCK + _nth_set_bit(words[blk], jnp.where(valid, j, 0))
-        idx = jnp.where(valid, jnp.minimum(idx, size - 1), 0)
-        cand = jnp.where(valid, score_at(idx), jnp.uint32(0))
-
-        def bit(b, v):
-            trial = v | (jnp.uint32(1) << (jnp.uint32(31) - b.astype(jnp.uint32)))
-            return jnp.where(jnp.sum(cand >= trial, dtype=jnp.int32) >= k, trial, v)
-
-        kth = jax.lax.fori_loop(0, 32, bit, cand[0] & jnp.uint32(0))  # the k-th largest candidate score (typed like cand)
-        above = cand > kth
-        equal = cand == kth
-        take = above | (equal & (_cumsum(equal.astype(jnp.int32)) <= k - jnp.sum(above, dtype=jnp.int32)))
-        pos = _cumsum(take.astype(jnp.int32)) - 1
-        return jnp.zeros((k,), jnp.int32).at[jnp.where(take, pos, k)].set(idx, mode="drop")
-
-    idx = jax.lax.cond(settled, from_candidates, lambda _: _exact(scores, k), words)
-    return (idx, settled) if return_settled else idx
+#: Fewest sample entries expected above the first threshold: the sample then places it within about
+#: ``+-2/sqrt(64) = 25%`` of the target count, inside the window ``[k, capacity]`` (one pass, usually).
+MIN_SAMPLE_HITS = 64
 
 
 def topk(x: jnp.ndarray, k: int, *, sample_ratio: float = 0.01, start=None, return_settled: bool = False):
     """The ``k`` entries of largest magnitude of ``x``: :func:`threshold_select` on :func:`magnitude_scores`.
 
-    The first threshold is the score that a ``(k + capacity) / 2``-th of a
-    strided sample of ``|x|`` reaches (DGC's sampled threshold, Lin et al. 2018,
-    Sec. 3.2); the result equals exact top-k whenever the threshold settles (see
-    the module docstring).  Layers where it cannot pay off (:func:`worth_it`)
-    use ``jax.lax.top_k`` directly; very sparse selections (:func:`sparse_regime`)
-    use DGC's block-maxima selection (:func:`compjax.codecs.threshold.sampled_topk`,
-    also exact whenever it settles), cheaper when the candidates are few.
+    One layer of :func:`topk_many` (see there).
 
     Args:
       x: array of any shape, float dtype.
       k: static number of entries, ``1 <= k <= x.size``.
-      sample_ratio: fraction of entries sampled, in (0, 1] (at least ``2 size / k`` entries).
+      sample_ratio: fraction of entries sampled, in (0, 1] (see :func:`topk_many`).
       start: int32 scalar offset of the strided sample (e.g. random, as DGC);
         None: the middle of the first stride.
       return_settled: also return whether the threshold settled (bool scalar).
@@ -247,47 +369,102 @@ def topk(x: jnp.ndarray, k: int, *, sample_ratio: float = 0.01, start=None, retu
     Raises:
       ValueError: ``k`` outside ``[1, x.size]``.
     """
+    return topk_many([x], [k], sample_ratio=sample_ratio, starts=None if start is None else [start],
+                     return_settled=return_settled)[0]
+
+
+def topk_many(
+    xs: Sequence[jnp.ndarray],
+    ks: Sequence[int],
+    *,
+    sample_ratio: float = 0.01,
+    starts: Sequence | None = None,
+    return_settled: bool = False,
+) -> list[tuple]:
+    """The ``k_i`` entries of largest magnitude of every layer ``x_i``, exact whenever the threshold settles.
+
+    Per layer, :func:`threshold_select` on :func:`magnitude_scores`, all layers
+    at once (one threshold loop, one bisection loop and one fallback branch for
+    all of them: XLA runs the layers' kernels side by side).  The first
+    threshold is the score that a ``(k + capacity) / 2``-th of a strided sample
+    of ``|x|`` reaches (DGC's sampled threshold, Lin et al. 2018, Sec. 3.2): a
+    fraction ``sample_ratio`` of the layer, at least ``2 size / k`` entries and
+    enough for :data:`MIN_SAMPLE_HITS` of them to be expected above it, so
+    that the first pass usually settles.  The flag passes compare the layer
+    with the threshold as floats (no array of scores is written).  The result
+    equals exact top-k (``jax.lax.top_k`` of ``|x|``, ties to the lowest index)
+    whenever the threshold settles (see the module docstring); layers where it
+    cannot pay off (:func:`worth_it`) use ``jax.lax.top_k`` directly.
+
+    Args:
+      xs: arrays of any shapes, float dtypes.
+      ks: static number of entries per layer, ``1 <= k_i <= x_i.size``.
+      sample_ratio: fraction of entries sampled, in (0, 1].
+      starts: per layer, an int32 scalar offset of the strided sample (taken
+        modulo the stride; e.g. random, as DGC), or None: the middle of the first stride.
+      return_settled: also return whether each threshold settled (bool scalar;
+        False for the layers that use ``jax.lax.top_k`` directly).
+
+    Returns:
+      One ``(indices, values)`` per layer: int32 ``(k_i,)`` flat indices into
+      ``x_i.ravel()`` (increasing when settled) and ``x_i.ravel()[indices]``
+      (``x_i.dtype``); with ``return_settled``, ``(indices, values, settled)``.
+
+    Raises:
+      ValueError: a ``k_i`` outside ``[1, x_i.size]``, or ``xs`` and ``ks`` (or ``starts``) of different lengths.
+    """
     from compjax.codecs.threshold import sample_size
 
-    flat = jnp.ravel(x)
-    size = int(flat.size)
-    if not 1 <= k <= size:
-        raise ValueError(f"k must be in [1, {size}], got {k}")
-    if not worth_it(size, k):
-        if k == size:
-            idx = jnp.arange(size, dtype=jnp.int32)
-        else:
-            idx = jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32)
-        return (idx, flat[idx], jnp.zeros((), bool)) if return_settled else (idx, flat[idx])
-    if sparse_regime(size, k):  # few candidates: DGC's block-maxima selection is cheaper
-        from compjax.codecs.threshold import sampled_topk
+    if len(xs) != len(ks) or (starts is not None and len(starts) != len(xs)):
+        raise ValueError(f"one k (and start) per layer: {len(xs)} layers, {len(ks)} ks")
+    flats = [jnp.ravel(x) for x in xs]
+    out: list = [None] * len(flats)
+    layers, where = [], []
+    for i, (flat, k) in enumerate(zip(flats, ks)):
+        size = int(flat.size)
+        if not 1 <= k <= size:
+            raise ValueError(f"k must be in [1, {size}], got {k}")
+        if not worth_it(size, k):
+            if k == size:
+                idx = jnp.arange(size, dtype=jnp.int32)
+            else:
+                idx = jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32)
+            out[i] = (idx, jnp.zeros((), bool))
+            continue
+        cap = default_capacity(k)
+        target = (k + cap) / 2
+        n_s = min(size, max(sample_size(size, k, sample_ratio), math.ceil(MIN_SAMPLE_HITS * size / target)))
+        stride = size // n_s
+        start = starts[i] if starts is not None else None
+        start = stride // 2 if start is None else jnp.asarray(start, jnp.int32) % stride
+        sample = jnp.abs(flat[start + jnp.arange(n_s, dtype=jnp.int32) * stride].astype(jnp.float32))
+        k_s = max(1, round(n_s * target / size))
+        # min of the top-k_s (indexing [-1] instead makes XLA sort the whole sample); on float32, as XLA:CPU's
+        # TopK runs a partial sort there but a full sort of integers.
+        thr0 = magnitude_scores(jnp.min(jax.lax.top_k(sample, k_s)[0]))
+        nb = -(-size // BLOCK)
+        layers.append(_Layer(
+            partial(_magnitude_words, flat, nb=nb),  # from the layer in every pass: no array of scores
+            lambda i, flat=flat: magnitude_scores(flat[i]),
+            partial(_exact_magnitude, flat, k),
+            size, k, thr0, 2.0**20, cap, 32,
+        ))
+        where.append(i)
+    for i, res in zip(where, _select_many(layers)):
+        out[i] = res
+    return [(idx, flat[idx], settled) if return_settled else (idx, flat[idx])
+            for (idx, settled), flat in zip(out, flats)]
 
-        start = jnp.int32(0) if start is None else jnp.asarray(start, jnp.int32)
-        return sampled_topk(flat, k, sample_ratio, None, start=start, return_settled=return_settled)
-    cap = default_capacity(k)
-    n_s = sample_size(size, k, sample_ratio)
-    stride = size // n_s
-    start = stride // 2 if start is None else jnp.asarray(start, jnp.int32) % stride
-    sample = magnitude_scores(flat[start + jnp.arange(n_s, dtype=jnp.int32) * stride])
-    k_s = max(1, round(n_s * (k + cap) / 2 / size))
-    # min of the top-k_s (indexing [-1] instead makes XLA sort the whole sample); scores < 2**31: int32 order
-    thr0 = jnp.min(jax.lax.top_k(jax.lax.bitcast_convert_type(sample, jnp.int32), k_s)[0]).astype(jnp.uint32)
-    idx, settled = threshold_select(
-        magnitude_scores(flat), lambda i: magnitude_scores(flat[i]), k, thr0, 2**20, capacity=cap,
-        return_settled=True,
-    )
-    return (idx, flat[idx], settled) if return_settled else (idx, flat[idx])
+
+def _exact_magnitude(flat: jnp.ndarray, k: int) -> jnp.ndarray:
+    """Indices of the k largest ``|flat|`` by ``jax.lax.top_k`` on float32 (XLA:CPU's partial sort), int32 ``(k,)``."""
+    return jax.lax.top_k(jnp.abs(flat.astype(jnp.float32)), k)[1].astype(jnp.int32)
 
 
 def randomk(size: int, k: int, bits_at: Callable[[jnp.ndarray], jnp.ndarray], *, return_settled: bool = False):
     """``k`` distinct indices of ``range(size)``: those with the largest random bits.
 
-    With ``bits_at`` a bijection of the index (e.g.
-    :func:`compjax.codecs.random.bits`), the ``k`` largest bits are a random
-    ``k``-subset, every index kept with probability ``k / size``.  The
-    threshold is the bits' ``1 - t / size`` quantile (``t`` between ``k`` and
-    the capacity), so it usually settles at once: one pass of the hash, no
-    read of the gradient.
+    One layer of :func:`randomk_many` (see there).
 
     Args:
       size: entries of the layer.
@@ -298,18 +475,68 @@ def randomk(size: int, k: int, bits_at: Callable[[jnp.ndarray], jnp.ndarray], *,
     Returns:
       int32 ``(k,)`` indices (increasing when settled); with ``return_settled``,
       ``(indices, settled)``.
+
+    Raises:
+      ValueError: ``k`` outside ``[1, size]``.
     """
-    if not 1 <= k <= size:
-        raise ValueError(f"k must be in [1, {size}], got {k}")
-    if k == size:
-        idx = jnp.arange(size, dtype=jnp.int32)
-        return (idx, jnp.zeros((), bool)) if return_settled else idx
-    every = bits_at(jax.lax.iota(jnp.int32, size))
-    if not worth_it(size, k):
-        idx = _exact(every, k)
-        return (idx, jnp.zeros((), bool)) if return_settled else idx
-    cap = default_capacity(k)
-    thr0 = int(2.0**32 * (1.0 - (k + cap) / 2 / size))
-    step0 = max(1, int(2.0**32 * (cap - k) / size / 4))
-    return threshold_select(every, bits_at, k, jnp.uint32(thr0), step0, capacity=cap,
-                            return_settled=return_settled)
+    idx, settled = randomk_many([size], [k], [bits_at])[0]
+    return (idx, settled) if return_settled else idx
+
+
+def randomk_many(
+    sizes: Sequence[int], ks: Sequence[int], bits_ats: Sequence[Callable[[jnp.ndarray], jnp.ndarray]]
+) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
+    """Per layer, ``k_i`` distinct indices of ``range(size_i)``: those with the largest random bits.
+
+    With ``bits_at`` a bijection of the index (e.g.
+    :func:`compjax.codecs.random.bits`), the ``k`` largest bits are a random
+    ``k``-subset, every index kept with probability ``k / size``.  The
+    threshold is the bits' ``1 - t / size`` quantile (``t`` between ``k`` and
+    the capacity), so it usually settles at once: one pass of the hash, no
+    read of the gradient.  All layers go through :func:`threshold_select`
+    together (one threshold loop, one bisection loop, one fallback branch);
+    layers where it cannot pay off (:func:`worth_it`) use ``jax.lax.top_k`` on the bits.
+
+    Args:
+      sizes: entries of each layer.
+      ks: static number of entries per layer, ``1 <= k_i <= size_i``.
+      bits_ats: per layer, ``bits_at(int32 indices) -> uint32`` random bits.
+
+    Returns:
+      One ``(indices, settled)`` per layer: int32 ``(k_i,)`` indices
+      (increasing when settled) and a bool scalar (False where the fallback or
+      ``jax.lax.top_k`` ran).
+
+    Raises:
+      ValueError: a ``k_i`` outside ``[1, size_i]``, or arguments of different lengths.
+    """
+    if not len(sizes) == len(ks) == len(bits_ats):
+        raise ValueError(f"one k and one bits_at per layer: {len(sizes)}, {len(ks)}, {len(bits_ats)}")
+    out: list = [None] * len(sizes)
+    layers, where = [], []
+    for i, (size, k, bits_at) in enumerate(zip(sizes, ks, bits_ats)):
+        if not 1 <= k <= size:
+            raise ValueError(f"k must be in [1, {size}], got {k}")
+        if k == size:
+            out[i] = (jnp.arange(size, dtype=jnp.int32), jnp.zeros((), bool))
+            continue
+        if not worth_it(size, k):
+            out[i] = (_exact(bits_at(jax.lax.iota(jnp.int32, size)), k), jnp.zeros((), bool))
+            continue
+        cap = default_capacity(k)
+        thr0 = int(2.0**32 * (1.0 - (k + cap) / 2 / size))
+        step0 = max(1, int(2.0**32 * (cap - k) / size / 4))
+        nb = -(-size // BLOCK)
+        every = partial(_bits_everywhere, bits_at, size)
+        layers.append(_Layer(
+            lambda thr, every=every, nb=nb: _words(every(), thr, nb), bits_at,
+            lambda every=every, k=k: _exact(every(), k), size, k, jnp.uint32(thr0), float(step0), cap, 32,
+        ))
+        where.append(i)
+    for i, res in zip(where, _select_many(layers)):
+        out[i] = res
+    return out
+
+
+def _bits_everywhere(bits_at: Callable[[jnp.ndarray], jnp.ndarray], size: int) -> jnp.ndarray:
+    return bits_at(jax.lax.iota(jnp.int32, size))

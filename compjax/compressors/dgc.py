@@ -238,15 +238,16 @@ def dgc(
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
 
         def stage(density):
-            def select(i, x):
-                k = layer_k(x.size, density)
+            def select_all(xs):
+                ks = [layer_k(x.size, density) for x in xs]
                 if sample_ratio is None:
-                    return topk_select(x, k)
-                start = (cr.bits(st, jnp.uint32(sparse[i])) >> jnp.uint32(1)).astype(jnp.int32)
-                return csel.topk(x, k, sample_ratio=sample_ratio, start=start)
+                    return [topk_select(x, k) for x, k in zip(xs, ks)]
+                starts = [(cr.bits(st, jnp.uint32(sparse[i])) >> jnp.uint32(1)).astype(jnp.int32)
+                          for i in range(len(xs))]
+                return csel.topk_many(xs, ks, sample_ratio=sample_ratio, starts=starts)
 
             def run(us, vs):
-                means, indices, nbytes = sparse_layers_mean(vs, select, ctx.axis_name)
+                means, indices, nbytes = sparse_layers_mean(vs, None, ctx.axis_name, select_all=select_all)
                 new_vs = [zero_at(x, i) for x, i in zip(vs, indices)]
                 new_us = [zero_at(x, i) for x, i in zip(us, indices)] if momentum_masking else us
                 out = (means, new_us, new_vs)

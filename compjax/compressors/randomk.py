@@ -100,14 +100,17 @@ def randomk(
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
         offsets = make_bucket([x.shape for x in ps]).offsets
 
-        def choose(i, x):
-            k = layer_k(x.size, ratio)
-            off = jnp.uint32(offsets[i])
-            idx = select.randomk(int(x.size), k, lambda j: cr.bits(st, j.astype(jnp.uint32) + off))
-            val = jnp.ravel(x)[idx]
-            return idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)
+        def choose_all(xs):
+            ks = [layer_k(x.size, ratio) for x in xs]
+            bits_ats = [lambda j, off=jnp.uint32(o): cr.bits(st, j.astype(jnp.uint32) + off) for o in offsets]
+            picked = select.randomk_many([int(x.size) for x in xs], ks, bits_ats)
+            out = []
+            for (idx, _), x, k in zip(picked, xs, ks):
+                val = jnp.ravel(x)[idx]
+                out.append((idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)))
+            return out
 
-        means, indices, nbytes = sparse_layers_mean(ps, choose, ctx.axis_name)
+        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=choose_all)
         return Exchanged(means, SentAt(indices), {}, nbytes)
 
     return compressor(

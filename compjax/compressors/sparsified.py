@@ -2,15 +2,22 @@
 
 Each layer contributes ``k_i`` (index, value) pairs; indices are offset into the
 concatenation of all layers, so every worker's pairs travel in **one** int32
-and **one** value all-gather (:func:`compjax.collectives.sparse_mean`), whatever
-the number of layers; each worker scatter-adds all pairs and divides by the
-number of workers (Lin et al., ICLR 2018, Sec. 3).
+and **one** value all-gather, whatever the number of layers; each worker
+scatter-adds all pairs and divides by the number of workers (Lin et al., ICLR
+2018, Sec. 3), as :func:`compjax.collectives.sparse_mean` does.
+
+The scatter-add goes into one dense buffer per *chunk* of consecutive layers
+(:func:`chunks`: layers of at least :data:`CHUNK` entries alone, smaller ones
+together up to that size), not into one buffer of all parameters: a buffer of
+tens of MB is memory the allocator maps afresh at every step (page faults cost
+more than the scatter), and a layer alone needs no copy out of a bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from compjax import collectives
@@ -20,16 +27,46 @@ from compjax.collectives import AxisName
 #: ``select(i, leaf) -> (int32 (k_i,) flat indices into leaf.ravel(), (k_i,) values)``.
 Select = Callable[[int, jnp.ndarray], tuple[jnp.ndarray, jnp.ndarray]]
 
+#: ``select_all(leaves) -> [(int32 (k_i,) flat indices, (k_i,) values), ...]``: every layer at once
+#: (e.g. :func:`compjax.codecs.select.topk_many`, whose layers share their loops and branches).
+SelectAll = Callable[[list], list]
+
+#: Entries of a chunk of small layers scatter-added into one buffer (4 MiB of float32).
+CHUNK = 2**20
+
+
+def chunks(sizes: Sequence[int], limit: int = CHUNK) -> list[list[int]]:
+    """Consecutive layers grouped for the scatter-add: lists of layer positions, in order.
+
+    A layer of ``limit`` entries or more is a chunk alone; smaller consecutive
+    layers share a chunk while their total stays at most ``limit``.
+
+    Examples:
+      >>> chunks([10, 20, 2**20, 5])
+      [[0, 1], [2], [3]]
+    """
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if n >= limit or not out or total + n > limit or sizes[out[-1][-1]] >= limit:
+            out.append([i])
+            total = n
+        else:
+            out[-1].append(i)
+            total += n
+    return out
+
 
 def sparse_layers_mean(
-    leaves: Sequence[jnp.ndarray], select: Select, axis_name: AxisName
+    leaves: Sequence[jnp.ndarray], select: Select | None, axis_name: AxisName, *, select_all: SelectAll | None = None
 ) -> tuple[list[jnp.ndarray], list[jnp.ndarray], int]:
     """Select (index, value) pairs in every layer and average the sparse layers over workers.
 
     Args:
       leaves: this worker's float arrays.
-      select: picks each layer's entries to send (static ``k_i``).
+      select: picks each layer's entries to send (static ``k_i``), or None with ``select_all``.
       axis_name: worker axis, or None for one worker.
+      select_all: picks the entries of all layers at once (instead of ``select``).
 
     Returns:
       ``(means, indices, payload_bytes)``: the dense means over workers (shapes
@@ -41,13 +78,35 @@ def sparse_layers_mean(
         return [], [], 0
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
-    idx_parts, val_parts = [], []
-    for i, x in enumerate(leaves):
-        idx, val = select(i, x)
-        idx_parts.append(idx.astype(jnp.int32))
-        val_parts.append(val.astype(dtype))
+    if (select is None) == (select_all is None):
+        raise ValueError("give one of select and select_all")
+    pairs = select_all(list(leaves)) if select_all is not None else [select(i, x) for i, x in enumerate(leaves)]
+    idx_parts = [idx.astype(jnp.int32) for idx, _ in pairs]
+    val_parts = [val.astype(dtype) for _, val in pairs]
     indices = jnp.concatenate([idx + off for idx, off in zip(idx_parts, bucket.offsets)])
-    mean, nbytes = collectives.sparse_mean(indices, jnp.concatenate(val_parts), bucket.size, axis_name)
-    means = [m.astype(x.dtype) for m, x in zip(bucket.unflatten(mean), leaves)]
+    values = jnp.concatenate(val_parts)
+    nbytes = indices.size * 4 + values.size * jnp.dtype(dtype).itemsize
+    n = collectives.num_workers(axis_name)
+    if axis_name is not None:  # every worker's pairs, (n, sum k_i): worker by worker, as sparse_mean adds them
+        indices = jax.lax.all_gather(indices, axis_name)
+        values = jax.lax.all_gather(values, axis_name)
+    else:
+        indices, values = indices[None], values[None]
+    pair_at = [0]
+    for idx in idx_parts:
+        pair_at.append(pair_at[-1] + int(idx.size))
+    means: list[jnp.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
+    for chunk in chunks(bucket.sizes):
+        first, last = chunk[0], chunk[-1]
+        lo, hi = pair_at[first], pair_at[last + 1]
+        base = bucket.offsets[first]
+        size = bucket.offsets[last] + bucket.sizes[last] - base
+        dense = jnp.zeros((size,), dtype).at[(indices[:, lo:hi] - base).reshape(-1)].add(
+            values[:, lo:hi].reshape(-1))
+        if n != 1:
+            dense = dense / jnp.asarray(n, dtype)
+        for i in chunk:
+            o = bucket.offsets[i] - base
+            part = dense if len(chunk) == 1 else dense[o : o + bucket.sizes[i]]
+            means[i] = part.reshape(leaves[i].shape).astype(leaves[i].dtype)
     return means, idx_parts, nbytes
-

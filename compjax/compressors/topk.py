@@ -87,7 +87,7 @@ def topk(
 
     def exchange(ps, fields, ctx):
         means, indices, nbytes = sparse_layers_mean(
-            ps, lambda i, x: select.topk(x, layer_k(x.size, ratio)), ctx.axis_name
+            ps, None, ctx.axis_name, select_all=lambda xs: select.topk_many(xs, [layer_k(x.size, ratio) for x in xs])
         )
         return Exchanged(means, SentAt(indices), {}, nbytes)
 

@@ -1,6 +1,6 @@
 """Compute cost of every compressor: update time on a ResNet-18-shaped tree beside the elementwise floor, and more.
 
-    python -m experiments.benchmarks.compressors [--repeats 10] [--only topk,powersgd] [--small]
+    python -m experiments.benchmarks.compressors [--repeats 10] [--only "topk(0.01),powersgd(rank=2)"] [--small]
     python -m experiments.benchmarks.compressors --repeats 5 --publish --readme README.md   # the committed results
 
 Runs on whatever backend JAX finds (CPU, GPU or TPU) and names the device.
@@ -305,7 +305,16 @@ def floor_ms(tree, repeats: int) -> tuple[float, float]:
 
 
 def _names(args: argparse.Namespace) -> list[str]:
-    only = args.only.split(",") if args.only else []
+    """The compressors that ``--only`` names (all without it).
+
+    Raises:
+      SystemExit: a name in ``--only`` that is not a compressor of :data:`COMPRESSORS`.
+    """
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else []
+    unknown = [n for n in only if n not in COMPRESSORS]
+    if unknown:
+        raise SystemExit(f"--only: unknown compressor(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(COMPRESSORS)}")
     return [n for n in COMPRESSORS if not only or n in only]
 
 
@@ -452,7 +461,8 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--only", default="", help="comma-separated names of compressors (all sections use them)")
+    p.add_argument("--only", default="", help="comma-separated names of compressors as in the table, e.g. "
+                   "'topk(0.01),onebit' (all sections use them; an unknown name is an error)")
     p.add_argument("--skip", default="", help="comma-separated names of sections to leave out")
     p.add_argument("--small", action="store_true",
                    help="tiny inputs in every section: 11 narrow leaves, a linear model in the step section (tests)")
@@ -460,6 +470,7 @@ def main(argv=None) -> dict:
     p.add_argument("--readme", type=Path, default=None, help="also replace the results:benchmark block of this file")
     args = p.parse_args(argv)
     args.argv = argv
+    _names(args)  # an unknown --only name fails here, before any timing
     out_dir = records.output_dir(args, "benchmarks")
     load_before, t0 = os.getloadavg(), time.perf_counter()
     result = run(args)
