@@ -37,6 +37,7 @@ __all__ = [
     "num_workers",
     "reduce_bytes",
     "sparse_mean",
+    "sparse_mean_segments",
     "vary",
     "varying_axes",
     "worker_index",
@@ -203,20 +204,68 @@ def sparse_mean(
     Returns:
       ``(mean, payload_bytes)``: the dense ``(size,)`` mean in ``values.dtype`` and
       ``k * (4 + itemsize)`` bytes (the two all-gather operands).
+
+    Raises:
+      ValueError: ``indices`` and ``values`` not 1-D of the same shape.
+    """
+    (mean,), nbytes = sparse_mean_segments(indices, values, [(0, int(indices.shape[0]), 0, size)], axis_name)
+    return mean, nbytes
+
+
+def sparse_mean_segments(
+    indices: jnp.ndarray, values: jnp.ndarray, segments, axis_name: AxisName
+) -> tuple[list[jnp.ndarray], int]:
+    """:func:`sparse_mean` scatter-added into several dense buffers, one per segment of the pairs.
+
+    One all-gather of the indices and one of the values, whatever the number
+    of segments; then segment ``(lo, hi, base, size)`` scatter-adds every
+    worker's pairs ``lo:hi`` at ``index - base`` into a ``(size,)`` buffer.
+    Buffers of a few MB each instead of one of every parameter: a large buffer
+    is memory the allocator maps afresh at every step (page faults cost more
+    than the scatter).
+
+    Args:
+      indices: int32 ``(k,)`` flat indices; pairs ``lo:hi`` lie in ``[base, base + size)``.
+      values: ``(k,)`` values at those indices, float dtype.
+      segments: static ``(lo, hi, base, size)`` tuples of ints.
+      axis_name: worker axis, or None.
+
+    Returns:
+      ``(means, payload_bytes)``: one dense ``(size,)`` mean over workers per
+      segment, in ``values.dtype``, and ``k * (4 + itemsize)`` bytes.
+
+    Raises:
+      ValueError: ``indices`` and ``values`` not 1-D of the same shape, or a
+        segment outside ``[0, k]``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> means, nbytes = sparse_mean_segments(
+      ...     jnp.array([1, 4, 5], jnp.int32), jnp.array([1.0, 2.0, 3.0]), [(0, 1, 0, 3), (1, 3, 3, 3)], None)
+      >>> [m.tolist() for m in means], nbytes
+      ([[0.0, 1.0, 0.0], [0.0, 2.0, 3.0]], 24)
     """
     if indices.shape != values.shape or indices.ndim != 1:
         raise ValueError(
             f"indices and values must be 1-D of the same shape, got {indices.shape} and {values.shape}"
         )
+    k = int(indices.shape[0])
+    for lo, hi, _, _ in segments:
+        if not 0 <= lo <= hi <= k:
+            raise ValueError(f"segments must lie in [0, {k}] pairs, got {lo}:{hi}")
     nbytes = _nbytes(indices) + _nbytes(values)
-    if axis_name is not None:
-        n = num_workers(axis_name)
-        indices = jax.lax.all_gather(indices, axis_name).reshape(-1)
-        values = jax.lax.all_gather(values, axis_name).reshape(-1)
+    n = num_workers(axis_name)
+    if axis_name is not None:  # (n, k): worker by worker
+        indices = jax.lax.all_gather(indices, axis_name)
+        values = jax.lax.all_gather(values, axis_name)
     else:
-        n = 1
-    dense = jnp.zeros((size,), values.dtype).at[indices].add(values)
-    return dense / jnp.asarray(n, values.dtype), nbytes
+        indices, values = indices[None], values[None]
+    means = []
+    for lo, hi, base, size in segments:
+        dense = jnp.zeros((size,), values.dtype).at[(indices[:, lo:hi] - base).reshape(-1)].add(
+            values[:, lo:hi].reshape(-1))
+        means.append(dense / jnp.asarray(n, values.dtype) if n != 1 else dense)
+    return means, nbytes
 
 
 def gathered_mean(

@@ -43,3 +43,22 @@ def test_sparse_mean_scatter_adds_duplicates():
     np.add.at(want, idx.ravel(), val.ravel())
     np.testing.assert_allclose(np.asarray(out), np.stack([want / 3] * 3), rtol=1e-6)
     assert int(nbytes[0]) == 2 * 4 + 2 * 4
+
+
+def test_sparse_mean_segments_equals_one_dense_mean_split_at_the_segments():
+    """Three workers' pairs into two buffers (entries 0:4 and 4:10): each buffer is its slice of the dense mean."""
+    rng = np.random.default_rng(3)
+    idx = np.stack([np.concatenate([rng.choice(4, 2, replace=False), 4 + rng.choice(6, 3, replace=False)])
+                    for _ in range(3)]).astype(np.int32)
+    val = rng.standard_normal(idx.shape).astype(np.float32)
+
+    def f(i, v):
+        means, nbytes = collectives.sparse_mean_segments(i, v, [(0, 2, 0, 4), (2, 5, 4, 6)], AXIS)
+        return means, jnp.asarray(nbytes)
+
+    (lo, hi), nbytes = jax.vmap(f, axis_name=AXIS)(idx, val)
+    want = np.zeros(10, np.float32)
+    np.add.at(want, idx.ravel(), val.ravel())
+    np.testing.assert_allclose(np.asarray(lo)[1], want[:4] / 3, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(hi)[2], want[4:] / 3, rtol=1e-6)
+    assert int(nbytes[0]) == 5 * 4 + 5 * 4

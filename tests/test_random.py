@@ -145,7 +145,9 @@ def test_topk_many_is_exact_per_layer_and_one_fallback_leaves_the_others_settled
     a layer that cannot settle (ties) falls back alone, a small layer uses lax.top_k, a low first guess moves."""
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal(100_000).astype(np.float32),
-          np.concatenate([np.ones(20_000), np.zeros(20_000)]).astype(np.float32),  # 20,000 ties for k = 100
+          # 20,000 ties, then 50 larger entries at the end, k = 100: no threshold has between k and the capacity
+          # above it, and the first flagged entries (ties only) would miss the large ones without the fallback
+          np.concatenate([np.ones(20_000), np.zeros(20_000), np.full(50, 2.0)]).astype(np.float32),
           rng.standard_normal(3_000).astype(np.float32),  # small: lax.top_k directly
           (rng.standard_normal(60_000) * np.exp(rng.standard_normal(60_000) * 3)).astype(np.float32),  # heavy tails
           rng.standard_normal(2_000_000).astype(np.float32)]

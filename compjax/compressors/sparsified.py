@@ -8,16 +8,16 @@ scatter-adds all pairs and divides by the number of workers (Lin et al., ICLR
 
 The scatter-add goes into one dense buffer per *chunk* of consecutive layers
 (:func:`chunks`: layers of at least :data:`CHUNK` entries alone, smaller ones
-together up to that size), not into one buffer of all parameters: a buffer of
-tens of MB is memory the allocator maps afresh at every step (page faults cost
-more than the scatter), and a layer alone needs no copy out of a bucket.
+together up to that size) through :func:`compjax.collectives.sparse_mean_segments`,
+not into one buffer of all parameters: a buffer of tens of MB is memory the
+allocator maps afresh at every step (page faults cost more than the scatter),
+and a layer alone needs no copy out of a bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 
 from compjax import collectives
@@ -85,28 +85,17 @@ def sparse_layers_mean(
     val_parts = [val.astype(dtype) for _, val in pairs]
     indices = jnp.concatenate([idx + off for idx, off in zip(idx_parts, bucket.offsets)])
     values = jnp.concatenate(val_parts)
-    nbytes = indices.size * 4 + values.size * jnp.dtype(dtype).itemsize
-    n = collectives.num_workers(axis_name)
-    if axis_name is not None:  # every worker's pairs, (n, sum k_i): worker by worker, as sparse_mean adds them
-        indices = jax.lax.all_gather(indices, axis_name)
-        values = jax.lax.all_gather(values, axis_name)
-    else:
-        indices, values = indices[None], values[None]
     pair_at = [0]
     for idx in idx_parts:
         pair_at.append(pair_at[-1] + int(idx.size))
+    groups = chunks(bucket.sizes)
+    segments = [(pair_at[g[0]], pair_at[g[-1] + 1], bucket.offsets[g[0]],
+                 bucket.offsets[g[-1]] + bucket.sizes[g[-1]] - bucket.offsets[g[0]]) for g in groups]
+    dense, nbytes = collectives.sparse_mean_segments(indices, values, segments, axis_name)
     means: list[jnp.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
-    for chunk in chunks(bucket.sizes):
-        first, last = chunk[0], chunk[-1]
-        lo, hi = pair_at[first], pair_at[last + 1]
-        base = bucket.offsets[first]
-        size = bucket.offsets[last] + bucket.sizes[last] - base
-        dense = jnp.zeros((size,), dtype).at[(indices[:, lo:hi] - base).reshape(-1)].add(
-            values[:, lo:hi].reshape(-1))
-        if n != 1:
-            dense = dense / jnp.asarray(n, dtype)
-        for i in chunk:
-            o = bucket.offsets[i] - base
-            part = dense if len(chunk) == 1 else dense[o : o + bucket.sizes[i]]
+    for g, buf in zip(groups, dense):
+        for i in g:
+            o = bucket.offsets[i] - bucket.offsets[g[0]]
+            part = buf if len(g) == 1 else buf[o : o + bucket.sizes[i]]
             means[i] = part.reshape(leaves[i].shape).astype(leaves[i].dtype)
     return means, idx_parts, nbytes
