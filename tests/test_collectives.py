@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from compjax import collectives
 from tests.helpers import AXIS
@@ -62,3 +63,9 @@ def test_sparse_mean_segments_equals_one_dense_mean_split_at_the_segments():
     np.testing.assert_allclose(np.asarray(lo)[1], want[:4] / 3, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(hi)[2], want[4:] / 3, rtol=1e-6)
     assert int(nbytes[0]) == 5 * 4 + 5 * 4
+
+
+def test_sparse_mean_segments_rejects_a_segment_outside_the_pairs():
+    idx, val = jnp.arange(3, dtype=jnp.int32), jnp.ones(3)
+    with pytest.raises(ValueError, match="segments must lie in"):
+        collectives.sparse_mean_segments(idx, val, [(0, 4, 0, 8)], None)
