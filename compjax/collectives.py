@@ -213,7 +213,7 @@ def sparse_mean(
 
 
 def sparse_mean_segments(
-    indices: jnp.ndarray, values: jnp.ndarray, segments, axis_name: AxisName
+    indices: jnp.ndarray, values: jnp.ndarray, segments: Sequence[tuple[int, int, int, int]], axis_name: AxisName
 ) -> tuple[list[jnp.ndarray], int]:
     """:func:`sparse_mean` scatter-added into several dense buffers, one per segment of the pairs.
 

@@ -86,14 +86,6 @@ def worth_it(size: int, k: int) -> bool:
     return size >= 8192 and default_capacity(k) * 4 <= size
 
 
-def sparse_regime(size: int, k: int) -> bool:
-    """Whether ``k`` is small enough for the block-maxima selection (:func:`compjax.codecs.threshold.sampled_topk`):
-    its ``1.25 k`` candidate blocks of 32 entries are at most 1/8 of the layer (ratio below ~0.003).
-
-    :func:`topk_many` selects these layers through :func:`threshold_select` too (together with the others)."""
-    return math.ceil(1.25 * k) * 32 * 8 <= size
-
-
 def _words(scores: jnp.ndarray, thr: jnp.ndarray, nb: int) -> jnp.ndarray:
     """uint32 ``(nb,)`` flag words of ``scores >= thr`` (scores padded with 0 to ``nb * 32``)."""
     pad = nb * BLOCK - scores.shape[0]
