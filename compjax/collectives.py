@@ -120,7 +120,9 @@ def cond_unified(pred: jnp.ndarray, true_fn: Callable[[], Any], false_fn: Callab
     leaf as varying over the same manual axes; a mean that came out of a
     collective is invariant while state passed in with ``P(axis)`` is varying.
     Each leaf is cast (:func:`vary`, no data moves) to the union of the two
-    branches' axes, found by tracing each branch once with ``jax.eval_shape``.
+    branches' axes.  ``true_fn`` is traced **once** (``lax.cond`` traces it
+    first and its output types are kept for the other branch) and ``false_fn``
+    twice (once with ``jax.eval_shape``): put the costly branch first.
     Collectives inside the branches run only in the branch taken: ``pred``
     must be the same on every worker (e.g. from :func:`any_over_workers`).
 
@@ -132,15 +134,30 @@ def cond_unified(pred: jnp.ndarray, true_fn: Callable[[], Any], false_fn: Callab
     Returns:
       The output of the branch ``pred`` selects.
     """
-    types = jax.eval_shape(true_fn), jax.eval_shape(false_fn)
+    false_types = jax.eval_shape(false_fn)
+    seen: dict[str, Any] = {}
 
-    def unify(tree):
-        return jax.tree.map(
-            lambda x, a, b: x if x.dtype == jax.dtypes.float0 else vary(x, varying_axes(a) | varying_axes(b)),
-            tree, *types,
-        )
+    def axes(tree):
+        return [frozenset() if x.dtype == jax.dtypes.float0 else varying_axes(x) for x in jax.tree.leaves(tree)]
 
-    return jax.lax.cond(pred, lambda _: unify(true_fn()), lambda _: unify(false_fn()), None)
+    def cast(tree, *others):
+        leaves, treedef = jax.tree.flatten(tree)
+        out = [x if x.dtype == jax.dtypes.float0 else vary(x, frozenset().union(*(o[i] for o in others)))
+               for i, x in enumerate(leaves)]
+        return jax.tree.unflatten(treedef, out)
+
+    def first(_):
+        out = true_fn()
+        seen["true"] = axes(out)
+        return cast(out, seen["true"], axes(false_types))
+
+    def second(_):
+        true_axes = seen.get("true")
+        if true_axes is None:  # a JAX that traces the branches in another order: trace true_fn on its own
+            true_axes = axes(jax.eval_shape(true_fn))
+        return cast(false_fn(), axes(false_types), true_axes)
+
+    return jax.lax.cond(pred, first, second, None)
 
 
 def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, int]:
@@ -292,12 +309,27 @@ def sparse_mean_segments(
         values = jax.lax.all_gather(values, axis_name)
     else:
         indices, values = indices[None], values[None]
+    if n != 1:  # divide the k n pairs, not the dense buffers: no extra pass over them
+        values = values / jnp.asarray(n, values.dtype)
     means = []
     for lo, hi, base, size in segments:
-        dense = jnp.zeros((size,), values.dtype).at[(indices[:, lo:hi] - base).reshape(-1)].add(
-            values[:, lo:hi].reshape(-1))
-        means.append(dense / jnp.asarray(n, values.dtype) if n != 1 else dense)
+        means.append(_zeros(size, values.dtype, indices[0, min(lo, k - 1)]).at[(indices[:, lo:hi] - base).reshape(-1)].add(
+            values[:, lo:hi].reshape(-1)))
     return means, nbytes
+
+
+def _zeros(size: int, dtype, tag: jnp.ndarray) -> jnp.ndarray:
+    """``jnp.zeros((size,), dtype)`` that XLA cannot share with another buffer of the same size.
+
+    XLA merges equal broadcasts of 0 into one buffer and then copies it for
+    every scatter that writes into it (one more pass per buffer).  Here the 0
+    is computed from ``tag``, a non-negative int32 scalar known only at run time
+    (a different one per buffer), so each buffer is a broadcast of its own and
+    the scatter writes into it in place.  (The barrier keeps the scalar out of
+    the broadcast's loop, which would otherwise recompute it per entry.)
+    """
+    zero = jax.lax.optimization_barrier((tag < 0).astype(dtype))
+    return jnp.broadcast_to(zero, (size,))
 
 
 def gathered_mean(

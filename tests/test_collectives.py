@@ -69,3 +69,35 @@ def test_sparse_mean_segments_rejects_a_segment_outside_the_pairs():
     idx, val = jnp.arange(3, dtype=jnp.int32), jnp.ones(3)
     with pytest.raises(ValueError, match="segments must lie in"):
         collectives.sparse_mean_segments(idx, val, [(0, 4, 0, 8)], None)
+
+
+@pytest.mark.parametrize("take", [True, False])
+def test_cond_unified_traces_the_first_branch_once_and_unifies_varying_axes(take):
+    """Under shard_map: the first branch returns a mean (invariant) and state (varying), the second the
+    reverse; both come out varying where either is, the values of the branch taken, and the first branch
+    (the costly one: an all-reduce) is traced once."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    traced = []
+    mesh = jax.make_mesh((4,), (AXIS,))
+
+    def f(x, pred):
+        def costly():
+            traced.append(1)
+            return jax.lax.pmean(x, AXIS), x * 2.0
+
+        def cheap():
+            return x, jnp.zeros(x.shape)  # invariant where the first branch is varying
+
+        mean, state = collectives.cond_unified(pred[0], costly, cheap)
+        return mean, state
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P(AXIS)))
+    run = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=(P(AXIS), P(AXIS))))
+    mean, state = run(x, jax.device_put(jnp.array([take]), NamedSharding(mesh, P())))
+    assert len(traced) == 1
+    xs = np.arange(8.0).reshape(4, 2)
+    want_mean = np.tile(xs.mean(0), 4) if take else xs.ravel()
+    np.testing.assert_allclose(np.asarray(mean), want_mean, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(state), xs.ravel() * 2.0 if take else 0.0)

@@ -251,7 +251,8 @@ def compressor(
                 local_bad = any_nonfinite(xs)
                 bad, flag_bytes = collectives.any_over_workers(local_bad, axis_name)
                 # A branch, not a select over every output: a finite step pays for the vote only.
-                outs, new, nbytes = collectives.cond_unified(bad, skip, step)
+                # The exchange goes first: cond_unified traces its first branch once.
+                outs, new, nbytes = collectives.cond_unified(~bad, step, skip)
                 count = jnp.where(bad, state.count, count)
                 skipped = skipped + bad.astype(jnp.int32)
                 nbytes = bytecount.add(nbytes, flag_bytes)
