@@ -63,6 +63,10 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
                                heartbeat_timeout_seconds=int(heartbeat_timeout))
 
 
+#: Set by :func:`finish`: the run is over, the watcher stops (the service it polls is being shut down).
+_finishing = threading.Event()
+
+
 def _client():
     from jax._src import distributed  # the client JAX's initialize created; no public accessor in JAX 0.10
 
@@ -115,6 +119,7 @@ def finish(timeout: float = 60.0) -> None:
     """
     from jax.experimental import multihost_utils
 
+    _finishing.set()  # before the service goes: the watcher must not report its shutdown as a lost coordinator
     multihost_utils.sync_global_devices("compjax-finish")
     if jax.process_index() == 0:
         client, deadline = _client(), time.time() + timeout
@@ -128,16 +133,18 @@ def watch(resume_hint: str = "", interval: float = 2.0) -> threading.Thread:
 
     Catches a lost peer while this process is not inside a collective (e.g.
     evaluating or saving); a failing collective is reported by the caller.
+    The thread returns once :func:`finish` has begun (the service it polls is
+    then shut down on purpose).
     """
 
     def run():
-        while True:
+        while not _finishing.is_set():
             time.sleep(interval)
             try:
                 lost = lost_peers()
             except RuntimeError:
                 lost = [0]
-            if lost:
+            if lost and not _finishing.is_set():
                 exit_lost_peer("", resume_hint)
 
     thread = threading.Thread(target=run, name="lost-peer-watch", daemon=True)
