@@ -95,8 +95,23 @@ def test_threshold_topk_equals_exact_topk(size, k):
     idx = np.asarray(idx)
     want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)[1])
     assert idx.shape == (k,) and set(idx.tolist()) == set(want.tolist())
-    assert np.all(np.diff(idx) > 0)  # a settled threshold returns increasing indices
+    assert len(set(idx.tolist())) == k
     np.testing.assert_array_equal(np.asarray(val), x[idx])
+
+
+def test_threshold_topk_with_more_ties_at_the_kth_than_it_needs_is_lowest_index_first():
+    """95 large entries and 20 equal ones for k = 100: the threshold settles with 115 candidates, but only the
+    5 lowest-index ties belong to lax.top_k's answer; they lie in different flag words of one chunk (stride 9
+    against the word stride 8), so word order is not index order: the selection must fall back."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(100_000) * 0.1).astype(np.float32)
+    x[rng.choice(np.arange(1_000, 100_000), 95, replace=False)] = 10.0 + rng.random(95).astype(np.float32)
+    ties = 3 + 9 * np.arange(20)
+    x[ties] = -5.0
+    idx, val, settled = jax.jit(lambda x: select.topk(x, 100, return_settled=True))(jnp.asarray(x))
+    assert not bool(settled)
+    want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), 100)[1])
+    assert set(np.asarray(idx).tolist()) == set(want.tolist()) and set(ties[:5]) <= set(want.tolist())
 
 
 def test_threshold_topk_falls_back_when_it_cannot_settle():
@@ -104,15 +119,6 @@ def test_threshold_topk_falls_back_when_it_cannot_settle():
     idx, val, settled = select.topk(x, 10, return_settled=True)
     assert not bool(settled)
     assert np.all(np.asarray(val) == 1.0) and len(set(np.asarray(idx).tolist())) == 10
-
-
-def test_randomk_indices_are_the_largest_bits():
-    st = cr.stream(jax.random.PRNGKey(4), 2, 1)
-    size, k = 200_000, 2_000
-    idx, settled = jax.jit(lambda st: select.randomk(size, k, lambda j: cr.bits(st, j), return_settled=True))(st)
-    assert bool(settled)
-    want = np.argsort(-np_bits(np_stream(np.asarray(jax.random.PRNGKey(4)), 2, 1), np.arange(size)))[:k]
-    assert set(np.asarray(idx).tolist()) == set(want.tolist())
 
 
 def test_randomk_compressor_keeps_each_entry_with_probability_k_over_d():
@@ -158,15 +164,3 @@ def test_topk_many_is_exact_per_layer_and_one_fallback_leaves_the_others_settled
         want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)[1])
         assert idx.shape == (k,) and set(idx.tolist()) == set(want.tolist())
         np.testing.assert_array_equal(np.asarray(val), x[idx])
-
-
-def test_randomk_many_layers_are_the_largest_bits_of_each():
-    st = cr.stream(jax.random.PRNGKey(9), 3, 0)
-    sizes, ks, offs = [50_000, 4_000, 120_000], [500, 40, 1_200], [0, 50_000, 54_000]
-    fns = [lambda j, o=o: cr.bits(st, j.astype(jnp.uint32) + jnp.uint32(o)) for o in offs]
-    out = jax.jit(lambda: select.randomk_many(sizes, ks, fns))()
-    np_st = np_stream(np.asarray(jax.random.PRNGKey(9)), 3, 0)
-    for size, k, o, (idx, settled) in zip(sizes, ks, offs, out):
-        want = np.argsort(-np_bits(np_st, np.arange(size) + o))[:k]
-        assert set(np.asarray(idx).tolist()) == set(want.tolist())
-        assert bool(settled) == select.worth_it(size, k)

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from compjax._checks import check_range
-from compjax.codecs import random as cr
-from compjax.codecs import select
-from compjax.codecs.bucket import make_bucket
+from compjax.codecs import permutation
 from compjax.codecs.sparse import layer_k
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
@@ -51,12 +49,13 @@ def randomk(
     """Random-k sparsified mean of local gradients.
 
     Per worker and layer of ``d`` entries, with ``k = max(1, ceil(ratio * d))``
-    entries drawn uniformly without replacement, independently on every worker
-    and step: the ``k`` entries whose random bits are largest, the bits of
-    element ``offset + j`` (``offset``: the sizes of the layers before) of the
-    counter-based stream ``stream(key, step, worker)`` (:mod:`compjax.codecs.random`;
-    a bijection of the index, so no ties), found through a threshold on the bits
-    (:func:`compjax.codecs.select.randomk`: about one pass of the hash, no sort)::
+    entries drawn without replacement, independently on every worker and step:
+    the images of ``0, ..., k - 1`` under a keyed pseudo-random permutation of
+    the layer's indices (a Feistel network on the counter-based stream
+    ``stream(key, step, worker)`` of :mod:`compjax.codecs.random`, keyed by the
+    layer's position among the compressed leaves;
+    :func:`compjax.codecs.permutation.subsets`).  Every entry is kept with
+    probability ``k / d``; the draw costs ``O(k)``, no pass over the layer::
 
         error_feedback=True  (Stich et al. 2018, "Sparsified SGD with memory"):
             p = g + e;  send p at the k entries;  e = p - sent
@@ -98,14 +97,11 @@ def randomk(
 
     def exchange(ps, fields, ctx):
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
-        offsets = make_bucket([x.shape for x in ps]).offsets
 
         def choose_all(xs):
             ks = [layer_k(x.size, ratio) for x in xs]
-            bits_ats = [lambda j, off=jnp.uint32(o): cr.bits(st, j.astype(jnp.uint32) + off) for o in offsets]
-            picked = select.randomk_many([int(x.size) for x in xs], ks, bits_ats)
             out = []
-            for (idx, _), x, k in zip(picked, xs, ks):
+            for idx, x, k in zip(permutation.subsets(st, [int(x.size) for x in xs], ks), xs, ks):
                 val = jnp.ravel(x)[idx]
                 out.append((idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)))
             return out
