@@ -216,9 +216,10 @@ def test_any_nonfinite_is_exact(dtype):
         assert bool(f([jnp.zeros((2, 2), dtype).at[1, 0].set(bad)])), bad
 
 
-def test_a_skipped_step_sends_only_the_vote(mesh):
-    """A NaN on one worker: every worker skips, the exchange does not run (only the 4-byte vote is counted) and
-    the state is untouched; the next finite step sends the whole payload again."""
+def test_a_skipped_step_keeps_the_state_and_counts_what_it_sent(mesh):
+    """A NaN on one worker: every worker skips (zero updates, the residual untouched to the bit), though the
+    exchange runs on the residual alone and its bytes are counted with the vote's; the next finite step
+    sends the same payload again."""
     tx = cj.topk(0.5, axis_name=AXIS)
     state = init_stacked(tx, params_like(), N)
     _, state = run_workers(tx, local_grads(), state, "shard_map", mesh)
@@ -229,7 +230,7 @@ def test_a_skipped_step_sends_only_the_vote(mesh):
     leaf[2].flat[0] = np.nan  # worker 2 only
     out, skipped = run_workers(tx, bad, state, "shard_map", mesh)
     assert all(not np.any(x) for x in jax.tree.leaves(out))
-    assert int(cj.payload_bytes(skipped)[0]) == VOTE
+    assert int(cj.payload_bytes(skipped)[0]) == sent
     np.testing.assert_array_equal(np.asarray(skipped.skipped), np.ones(N))
     assert_tree_close(skipped.residual, state.residual, atol=0, rtol=0)
     _, again = run_workers(tx, local_grads(seed=2), skipped, "shard_map", mesh)

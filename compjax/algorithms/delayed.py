@@ -75,9 +75,10 @@ def delayed_averaging(
     With ``skip_nonfinite`` (default) the non-finite vote of the compressor
     pipeline (:mod:`compjax.compressors.base`) guards the history: a NaN on any
     worker skips the step on all workers.  That vote is a 4-byte all-reduce on
-    the current gradient in every step, and the delayed exchange runs only once
-    it is in (inside the guard's ``lax.cond``): on a high-latency link turn it
-    off to keep the method fully latency-tolerant.
+    the current gradient in every step; the delayed exchange does not wait for
+    it (the vote only selects what the step keeps), but the vote itself is a
+    round trip per step: on a high-latency link turn it off to keep the method
+    fully latency-tolerant.
 
     Args:
       delay: ``D``, steps between a gradient and the arrival of its average, an

@@ -51,8 +51,11 @@ def topk_select(x: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 
 def zero_at(x: jnp.ndarray, indices: jnp.ndarray) -> jnp.ndarray:
-    """``x`` with the entries at flat ``indices`` (int32, into ``x.ravel()``) set to 0; same shape and dtype."""
-    return jnp.ravel(x).at[indices].set(0).reshape(x.shape)
+    """``x`` with the entries at flat ``indices`` (int32, into ``x.ravel()``) set to 0; same shape and dtype.
+
+    Indices at or past ``x.size`` are dropped (a skipped step sends ``x.size`` everywhere).
+    """
+    return jnp.ravel(x).at[indices].set(0, mode="drop").reshape(x.shape)
 
 
 def randomk_select(x: jnp.ndarray, k: int, key: jax.Array) -> tuple[jnp.ndarray, jnp.ndarray]:

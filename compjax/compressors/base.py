@@ -16,11 +16,16 @@ transformation:
   local gradients; one 4-byte ``pmax`` over the worker axis tells every worker
   whether any worker saw a NaN or an infinity.  If so, all workers skip the
   step together: zero updates, the state (residuals, momenta, Q, keys, the
-  step count) untouched, ``skipped`` up by one.  The exchange runs in a
-  ``lax.cond`` branch that every worker takes or skips together (the vote is
-  the same everywhere), so no worker waits on another; a skipped step sends
-  only the vote.  A finite step pays for the vote and one read of the
-  gradients, not a select over every output and state leaf.
+  step count) untouched, ``skipped`` up by one.  The exchange still runs, on
+  finite data (with error feedback ``p = e``, the residual alone; without it,
+  zeros), and its outputs are discarded: every worker runs the same
+  collectives whatever the vote, and the selects fuse into the passes around
+  them.  (A ``lax.cond`` around the exchange would send nothing on a skipped
+  step, but its outputs are buffers of their own: on XLA:CPU they are mapped
+  afresh and copied into donated state at every step, 2-3x the cost of a
+  donated top-k training step; on GPU a branch reads its predicate on the
+  host.)  A skipped step's ``payload_bytes`` counts that exchange and the
+  vote.
 * **Wire typing.** Under ``jax.shard_map`` every output leaf (updates and
   state) is typed varying over the same mesh axes as the corresponding input,
   whichever branch produced it, so the transform composes with ``lax.cond``,
@@ -232,32 +237,38 @@ def compressor(
             outs, count, skipped = [], state.count + 1, state.skipped
         else:
             ctx = Context(state.count, axis_name)
-
-            def step():
-                ps = ef.accumulate(old["residual"], xs) if error_feedback else list(xs)
-                out = exchange(ps, old, ctx)
-                new = {**old, **out.fields}
-                if error_feedback:
-                    new["residual"] = ef.remainder(ps, out.sent)
-                outs = [m.astype(x.dtype) for m, x in zip(out.means, xs)]
-                nbytes = bytecount.constant(out.nbytes) if isinstance(out.nbytes, int) else out.nbytes
-                return outs, new, nbytes
-
-            def skip():  # nothing computed, nothing sent, the state as it was
-                return [jnp.zeros_like(x) for x in xs], old, bytecount.zeros()
-
             count, skipped = state.count + 1, state.skipped
+            bad = None
             if skip_nonfinite:
                 local_bad = any_nonfinite(xs)
                 bad, flag_bytes = collectives.any_over_workers(local_bad, axis_name)
-                # A branch, not a select over every output: a finite step pays for the vote only.
-                # The exchange goes first: cond_unified traces its first branch once.
-                outs, new, nbytes = collectives.cond_unified(~bad, step, skip)
+            if error_feedback:
+                ps = ef.accumulate(old["residual"], xs)
+                if bad is not None:  # a skipped step exchanges the (finite) residual alone, in the same pass
+                    ps = [jnp.where(bad, e, p) for p, e in zip(ps, old["residual"])]
+            else:
+                ps = list(xs) if bad is None else [jnp.where(bad, jnp.zeros_like(x), x) for x in xs]
+            out = exchange(ps, old, ctx)
+            outs = [m.astype(x.dtype) for m, x in zip(out.means, xs)]
+            nbytes = bytecount.constant(out.nbytes) if isinstance(out.nbytes, int) else out.nbytes
+            changed = {f: _like(v, old[f]) for f, v in out.fields.items()}
+            sent = out.sent
+            if bad is not None:
+                # Selects, no branch: they fuse into the passes that produce or consume each array (a
+                # lax.cond's outputs are buffers of their own, which XLA:CPU maps afresh at every step
+                # and copies into donated state).  The residual keeps p = e: nothing sent leaves it.
+                outs = [jnp.where(bad, jnp.zeros_like(o), o) for o in outs]
+                changed = {f: jax.tree.map(lambda n, o: jnp.where(bad, o, n), v, old[f]) for f, v in changed.items()}
+                if isinstance(sent, ef.SentAt):  # indices past the end: the residual's scatter drops them
+                    sent = ef.SentAt([jnp.where(bad, x.size, i) for i, x in zip(sent.indices, xs)])
+                elif sent is not None:
+                    sent = [jnp.where(bad, jnp.zeros_like(d), d) for d in sent]
                 count = jnp.where(bad, state.count, count)
                 skipped = skipped + bad.astype(jnp.int32)
                 nbytes = bytecount.add(nbytes, flag_bytes)
-            else:
-                outs, new, nbytes = step()
+            new = {**old, **changed}
+            if error_feedback:
+                new["residual"] = ef.remainder(ps, sent)
             outs = [collectives.like_varying(o, x) for o, x in zip(outs, xs)]
             new = _like(new, old)
         nbytes = bytecount.constant(nbytes) if isinstance(nbytes, int) else nbytes
