@@ -65,6 +65,8 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
 
 #: Set by :func:`finish`: the run is over, the watcher stops (the service it polls is being shut down).
 _finishing = threading.Event()
+#: The watcher threads started by :func:`watch`: :func:`finish` waits for them before the service goes.
+_watchers: list[threading.Thread] = []
 
 
 def _client():
@@ -120,6 +122,8 @@ def finish(timeout: float = 60.0) -> None:
     from jax.experimental import multihost_utils
 
     _finishing.set()  # before the service goes: the watcher must not report its shutdown as a lost coordinator
+    for thread in _watchers:  # nor be inside a call to the service when it goes (a C++ abort at exit)
+        thread.join(timeout)
     multihost_utils.sync_global_devices("compjax-finish")
     if jax.process_index() == 0:
         client, deadline = _client(), time.time() + timeout
@@ -134,12 +138,11 @@ def watch(resume_hint: str = "", interval: float = 2.0) -> threading.Thread:
     Catches a lost peer while this process is not inside a collective (e.g.
     evaluating or saving); a failing collective is reported by the caller.
     The thread returns once :func:`finish` has begun (the service it polls is
-    then shut down on purpose).
+    then shut down on purpose), and :func:`finish` waits for it.
     """
 
     def run():
-        while not _finishing.is_set():
-            time.sleep(interval)
+        while not _finishing.wait(interval):
             try:
                 lost = lost_peers()
             except RuntimeError:
@@ -149,4 +152,5 @@ def watch(resume_hint: str = "", interval: float = 2.0) -> threading.Thread:
 
     thread = threading.Thread(target=run, name="lost-peer-watch", daemon=True)
     thread.start()
+    _watchers.append(thread)
     return thread
