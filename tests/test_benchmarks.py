@@ -58,6 +58,9 @@ def test_benchmark_writes_tables_under_runs_by_default(small_run, roots):
     growth = sections["cost growth, 1M to 64M parameters on one leaf"]
     assert {r["name"] for r in growth} == {"elementwise floor (g + e)", *ONLY}
     assert all(isinstance(r["slope"], float) for r in growth)
+    train = sections["donated training step (compressor + SGD), one worker"]
+    assert [r["name"] for r in train] == ["SGD step alone (no compressor)", *ONLY] and train[0]["x_floor"] == 1.0
+    assert all(r["ms_median"] > 0 and r["guard_off_ms"] > 0 and "guard off" in r["note"] for r in train[1:])
     draws = sections["one uniform draw per parameter"]
     assert "threefry" in draws[1]["name"] and "hash" in draws[2]["name"]
     for sname in sections:  # every section has its table in the markdown

@@ -108,7 +108,7 @@ def test_threshold_topk_with_more_ties_at_the_kth_than_it_needs_is_lowest_index_
     x[rng.choice(np.arange(1_000, 100_000), 95, replace=False)] = 10.0 + rng.random(95).astype(np.float32)
     ties = 3 + 9 * np.arange(20)
     x[ties] = -5.0
-    idx, val, settled = jax.jit(lambda x: select.topk(x, 100, return_settled=True))(jnp.asarray(x))
+    idx, _, settled = jax.jit(lambda x: select.topk(x, 100, return_settled=True))(jnp.asarray(x))
     assert not bool(settled)
     want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), 100)[1])
     assert set(np.asarray(idx).tolist()) == set(want.tolist()) and set(ties[:5]) <= set(want.tolist())

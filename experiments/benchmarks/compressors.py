@@ -14,8 +14,11 @@ Sections: DGC's whole update on one 25M leaf with the sampled threshold vs exact
 ``lax.top_k``; the random draw alone (threefry vs the counter-based hash);
 compile time of the main job's 8-worker step (Fashion-MNIST CNN) with each
 compressor beside the dense step's, and that step's time (compute + in-process
-collectives on the simulated CPU workers); cost growth from 1M to 64M
-parameters on one leaf, with the log-log slope per compressor.  Writes
+collectives on the simulated CPU workers); a donated training step
+(compressor + SGD, parameters and state donated as in a training loop) on the
+same tree beside plain SGD's, with the non-finite guard on and off; cost
+growth from 1M to 64M parameters on one leaf, with the log-log slope per
+compressor.  Writes
 ``compressors.json``, ``compressors.md`` and ``compressors.png`` (update time ×
 floor) to ``runs/benchmarks`` (git-ignored), with ``--publish`` to
 ``experiments/results/benchmarks`` (the committed results), or to
@@ -52,23 +55,24 @@ from experiments import config_cli, records
 
 PROG = "python -m experiments.benchmarks.compressors"
 
-#: name -> factory of a transform, ``factory(axis_name=None)``.  Later compressors add a line here.
+#: name -> factory of a transform, ``factory(axis_name=None, **options)`` (e.g. ``skip_nonfinite=False``).
+#: Later compressors add a line here.
 COMPRESSORS: dict[str, Callable[..., object]] = {
-    "identity": lambda axis_name=None: cj.identity(axis_name=axis_name),
-    "topk(0.01)": lambda axis_name=None: cj.topk(0.01, axis_name=axis_name),
-    "topk(0.001)": lambda axis_name=None: cj.topk(0.001, axis_name=axis_name),
-    "randomk(0.01)": lambda axis_name=None: cj.randomk(0.01, key=0, axis_name=axis_name),
-    "dgc(0.001)": lambda axis_name=None: cj.dgc(0.001, axis_name=axis_name),
-    "dgc(0.001, exact top-k)": lambda axis_name=None: cj.dgc(0.001, sample_ratio=None, axis_name=axis_name),
-    "powersgd(rank=2)": lambda axis_name=None: cj.powersgd(rank=2, axis_name=axis_name),
-    "powersgd(rank=4)": lambda axis_name=None: cj.powersgd(rank=4, axis_name=axis_name),
-    "onebit": lambda axis_name=None: cj.onebit(axis_name=axis_name),
-    "twobit(0.5)": lambda axis_name=None: cj.twobit(0.5, axis_name=axis_name),
-    "terngrad": lambda axis_name=None: cj.terngrad(key=0, axis_name=axis_name),
-    "qsgd(256)": lambda axis_name=None: cj.qsgd(256, key=0, axis_name=axis_name),
-    "signsgd": lambda axis_name=None: cj.signsgd(axis_name=axis_name),
-    "cast(float16)": lambda axis_name=None: cj.cast(jnp.float16, axis_name=axis_name),
-    "cast(bfloat16)": lambda axis_name=None: cj.cast(jnp.bfloat16, axis_name=axis_name),
+    "identity": lambda axis_name=None, **kw: cj.identity(axis_name=axis_name, **kw),
+    "topk(0.01)": lambda axis_name=None, **kw: cj.topk(0.01, axis_name=axis_name, **kw),
+    "topk(0.001)": lambda axis_name=None, **kw: cj.topk(0.001, axis_name=axis_name, **kw),
+    "randomk(0.01)": lambda axis_name=None, **kw: cj.randomk(0.01, key=0, axis_name=axis_name, **kw),
+    "dgc(0.001)": lambda axis_name=None, **kw: cj.dgc(0.001, axis_name=axis_name, **kw),
+    "dgc(0.001, exact top-k)": lambda axis_name=None, **kw: cj.dgc(0.001, sample_ratio=None, axis_name=axis_name, **kw),
+    "powersgd(rank=2)": lambda axis_name=None, **kw: cj.powersgd(rank=2, axis_name=axis_name, **kw),
+    "powersgd(rank=4)": lambda axis_name=None, **kw: cj.powersgd(rank=4, axis_name=axis_name, **kw),
+    "onebit": lambda axis_name=None, **kw: cj.onebit(axis_name=axis_name, **kw),
+    "twobit(0.5)": lambda axis_name=None, **kw: cj.twobit(0.5, axis_name=axis_name, **kw),
+    "terngrad": lambda axis_name=None, **kw: cj.terngrad(key=0, axis_name=axis_name, **kw),
+    "qsgd(256)": lambda axis_name=None, **kw: cj.qsgd(256, key=0, axis_name=axis_name, **kw),
+    "signsgd": lambda axis_name=None, **kw: cj.signsgd(axis_name=axis_name, **kw),
+    "cast(float16)": lambda axis_name=None, **kw: cj.cast(jnp.float16, axis_name=axis_name, **kw),
+    "cast(bfloat16)": lambda axis_name=None, **kw: cj.cast(jnp.bfloat16, axis_name=axis_name, **kw),
 }
 
 #: extra sections: name -> function(args) -> list of row dicts (with "name" and "ms_median").
@@ -202,6 +206,54 @@ def step_section(args: argparse.Namespace) -> list[dict]:
 
 
 SECTIONS["main-job step (CNN, 8 workers): compile and step time"] = step_section
+
+
+def train_step_section(args: argparse.Namespace) -> list[dict]:
+    """A donated training step on the benchmark tree: ``optax.chain(compressor, optax.sgd(0.1))``, one worker.
+
+    Parameters and optimizer state are donated (``jax.jit(..., donate_argnums=(0, 1))``), as in a training
+    loop: the compressor's state is updated in place and its mean feeds the parameter update without a
+    buffer of its own.  Beside plain SGD's step (the ``× floor`` column is × that step) and, in the note,
+    the same step with the compressor's non-finite guard off (``skip_nonfinite=False``).  Median and min of
+    ``--repeats`` blocked steps after 3 warm-up steps.
+    """
+    import optax
+
+    tree = make_tree(args.small)
+
+    def step_ms(comp) -> tuple[float, float]:
+        tx = optax.sgd(0.1) if comp is None else optax.chain(comp, optax.sgd(0.1))
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(step, donate_argnums=(0, 1))
+        p = jax.tree.map(jnp.copy, tree)
+        s = tx.init(p)
+        for _ in range(3):
+            p, s = f(p, s, tree)
+        jax.block_until_ready((p, s))
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            p, s = f(p, s, tree)
+            jax.block_until_ready((p, s))
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times), min(times)
+
+    base_med, base_min = step_ms(None)
+    rows = [{"name": "SGD step alone (no compressor)", "ms_median": base_med, "ms_min": base_min, "x_floor": 1.0}]
+    for name in _names(args):
+        med, mn = step_ms(COMPRESSORS[name]())
+        off, _ = step_ms(COMPRESSORS[name](skip_nonfinite=False))
+        rows.append({"name": name, "ms_median": med, "ms_min": mn, "x_floor": med / base_med, "guard_off_ms": off,
+                     "note": f"guard off: {off:.1f} ms"})
+        print(f"  train step {name}: {med:.1f} ms (guard off {off:.1f} ms)", file=sys.stderr, flush=True)
+    return rows
+
+
+SECTIONS["donated training step (compressor + SGD), one worker"] = train_step_section
 
 
 def growth_section(args: argparse.Namespace) -> list[dict]:
