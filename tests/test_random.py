@@ -102,14 +102,14 @@ def test_threshold_topk_equals_exact_topk(size, k):
 def test_threshold_topk_with_more_ties_at_the_kth_than_it_needs_is_lowest_index_first():
     """95 large entries and 20 equal ones for k = 100: the threshold settles with 115 candidates, but only the
     5 lowest-index ties belong to lax.top_k's answer; they lie in different flag words of one chunk (stride 9
-    against the word stride 8), so word order is not index order: the selection must fall back."""
+    against the word stride 8), so word order is not index order: the index cut must pick them."""
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(100_000) * 0.1).astype(np.float32)
     x[rng.choice(np.arange(1_000, 100_000), 95, replace=False)] = 10.0 + rng.random(95).astype(np.float32)
     ties = 3 + 9 * np.arange(20)
     x[ties] = -5.0
     idx, _, settled = jax.jit(lambda x: select.topk(x, 100, return_settled=True))(jnp.asarray(x))
-    assert not bool(settled)
+    assert bool(settled)  # no fallback: ties are cut by index
     want = np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), 100)[1])
     assert set(np.asarray(idx).tolist()) == set(want.tolist()) and set(ties[:5]) <= set(want.tolist())
 

@@ -19,16 +19,17 @@ over the scores when its first threshold lands:
    binary search); the slot's set bit is found by popcounts in its word: the
    ``count`` candidate indices (in word order, not increasing);
 3. **exact k-th score among the candidates** -- bisection on the 32 bits of
-   the score over the ``capacity`` candidates; the candidates that reach it
-   are the ``k``.
+   the score over the ``capacity`` candidates; the candidates above it and
+   the lowest-index ones equal to it make the ``k`` (when more candidates tie
+   with it than are needed, a second bisection, on the index, finds the cut:
+   it runs only then).
 
 When step 1 settles every entry of the top ``k`` is a candidate, so the
-result **equals** exact top-k as a set.  When it does not settle (e.g. fewer
-than ``k`` positive scores, or many equal ones), or more than ``k`` candidates
-tie with the k-th score (the lowest indices among them must win, as in
-``jax.lax.top_k``), the selection falls back to ``jax.lax.top_k`` over all
-scores.  Shapes are static: always exactly ``k`` indices, in no particular
-order.
+result **equals** exact top-k as a set, ties broken by the lowest index like
+``jax.lax.top_k``.  When it does not settle (e.g. fewer than ``k`` positive
+scores, or many equal ones), the selection falls back to ``jax.lax.top_k``
+over all scores.  Shapes are static: always exactly ``k`` indices, in no
+particular order.
 
 Several layers are selected **together** (:func:`topk_many`): their threshold
 moves share one loop (whose body usually never runs), their bisections one
@@ -283,11 +284,29 @@ def _select_many(layers: list[_Layer]) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
 
     kths = jax.lax.fori_loop(0, 32, bit, tuple(cand[0] & jnp.uint32(0) for cand in cands))  # typed like cand
 
+    # Ties with the k-th score: lax.top_k keeps the lowest indices, so the cut among the equal candidates is
+    # the need-th smallest index (bisection on the 31 index bits), for all layers at once, and only when
+    # some layer holds more ties than it needs (candidates come in word order, not index order).
+    aboves = [cand > kth for cand, kth in zip(cands, kths)]
+    equals = [cand == kth for cand, kth in zip(cands, kths)]
+    needs = [lay.k - jnp.sum(a, dtype=jnp.int32) for a, lay in zip(aboves, layers)]
+    excess = [jnp.sum(e, dtype=jnp.int32) > n for e, n in zip(equals, needs)]
+    everything = tuple(idx[0] * 0 + jnp.int32(2**31 - 1) for idx in idxs)  # typed like the indices
+
+    def cut(_):
+        def bit(b, vs):  # the largest v with fewer than `need` equal candidates below it: the need-th index
+            one = jnp.int32(1) << (jnp.int32(30) - b)
+            return tuple(jnp.where(jnp.sum(e & (idx < (v | one)), dtype=jnp.int32) < n, v | one, v)
+                         for e, idx, v, n in zip(equals, idxs, vs, needs))
+
+        vs = jax.lax.fori_loop(0, 31, bit, tuple(idx[0] * 0 for idx in idxs))
+        return tuple(jnp.where(x, v, a) for x, v, a in zip(excess, vs, everything))
+
+    cuts = jax.lax.cond(jnp.any(jnp.stack(excess)), cut, lambda _: everything, None)
     picked = []
-    for i, (cand, idx, kth, lay) in enumerate(zip(cands, idxs, kths, layers)):
+    for above, equal, idx, c, lay in zip(aboves, equals, idxs, cuts, layers):
         k = lay.k
-        take = cand >= kth  # at least k; more only when candidates tie with the k-th score
-        settled[i] = settled[i] & (jnp.sum(take, dtype=jnp.int32) == k)
+        take = above | (equal & (idx <= c))  # exactly k
         pos = _cumsum(take.astype(jnp.int32)) - 1
         picked.append(jnp.zeros((k,), jnp.int32).at[jnp.where(take, pos, k)].set(idx, mode="drop"))
 
