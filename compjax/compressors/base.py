@@ -23,8 +23,8 @@ transformation:
   them.  (A ``lax.cond`` around the exchange would send nothing on a skipped
   step, but its outputs are buffers of their own: on XLA:CPU they are mapped
   afresh and copied into donated state at every step, 2-3x the cost of a
-  donated top-k training step; on GPU a branch reads its predicate on the
-  host.)  A skipped step's ``payload_bytes`` counts that exchange and the
+  donated top-k training step; on GPU a conditional may wait for the host to
+  read its predicate.)  A skipped step's ``payload_bytes`` counts that exchange and the
   vote.
 * **Wire typing.** Under ``jax.shard_map`` every output leaf (updates and
   state) is typed varying over the same mesh axes as the corresponding input,
