@@ -10,9 +10,10 @@ from experiments import records
 from experiments.reproduce import diloco as repro
 from tests.helpers import files_under
 
-#: tiny settings, as --config.KEY=VALUE overrides of the default config (H = 4)
+#: tiny settings, as --config.KEY=VALUE overrides of the default config (H = 4 for every row, 2 fragments)
 TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train.eval_batches=1",
-        "--config.train.batch_per_worker=2", "--config.train.seq_len=16", "--config.sync_every=4"]
+        "--config.train.batch_per_worker=2", "--config.train.seq_len=16", "--config.sync_every=4",
+        "--config.streaming.sync_every=0", "--config.streaming.fragments=2"]
 ROWS = ["data-parallel", "streaming"]
 
 
@@ -56,7 +57,7 @@ def test_rows_bytes_and_table_under_runs(tiny_run, roots):
     command = " ".join([repro.PROG, "--rows", *ROWS, *TINY])
     assert summary["command"] == summary["provenance"]["command"] == command
     assert summary["config"]["train"]["steps"] == 8 and summary["config"]["sync_every"] == 4
-    assert summary["config"]["streaming"] == {"sync_every": 0, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.4}
+    assert summary["config"]["streaming"] == {"sync_every": 0, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 1.0}
     assert recs["streaming"]["reproduction"] == {"command": command, "config": summary["config"]}
 
 
@@ -97,14 +98,14 @@ def test_a_bad_argument_exits_with_one_line(args, says, monkeypatch, tmp_path):
 
 def test_streaming_row_takes_its_own_sync_every(monkeypatch):
     """config.streaming.sync_every (0: the DiLoCo rows' H) is the H the Streaming row is built and labelled with."""
-    config = repro.config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4"])
-    assert repro.streaming_h(config) == 4 and "H = 4, 2 fragments" in repro.labels(config)["streaming"]
+    config = repro.config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=0"])
+    assert repro.streaming_h(config) == 4 and "H = 4, 4 fragments" in repro.labels(config)["streaming"]
     config = repro.config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=6"])
-    assert repro.streaming_h(config) == 6 and "H = 6, 2 fragments" in repro.labels(config)["streaming"]
+    assert repro.streaming_h(config) == 6 and "H = 6, 4 fragments" in repro.labels(config)["streaming"]
     assert "H = 4 (fp32" in repro.labels(config)["diloco"]
     import compjax
 
     seen = {}
     monkeypatch.setattr(compjax, "diloco", lambda inner, **kw: seen.update(kw))
     repro.make_tx("streaming", config)("data")
-    assert seen["sync_every"] == 6 and seen["fragments"] == 2
+    assert seen["sync_every"] == 6 and seen["fragments"] == 4

@@ -1,6 +1,6 @@
 """DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
 
-    python -m experiments.reproduce.diloco                        # 6 runs, ~5 min on a 2-core CPU
+    python -m experiments.reproduce.diloco                        # 6 runs, ~8 min on a 2-core CPU
     python -m experiments.reproduce.diloco --config.train.steps=100 --rows data-parallel diloco   # a quick look
     python -m experiments.reproduce.diloco --publish --report-only --readme README.md   # the committed table
 
@@ -11,8 +11,8 @@ Rows (every one the same model, data, steps, seed and inner learning-rate schedu
 * **data-parallel**: AdamW on the gradients averaged every step (``cj.identity``: float32 all-reduce);
 * **DiLoCo, H = 50**: ``cj.diloco(adamw, sync_every=50)``, outer Nesterov SGD (lr 0.7, momentum 0.9),
   float32 outer gradients (Douillard et al. 2023);
-* **Streaming DiLoCo**: 2 fragments (offsets 0 and 25), overlap τ = 1, α = 0.5, outer Nesterov lr 0.4,
-  outer gradients sent as 4-bit E3M0 without error feedback (Douillard et al. 2025);
+* **Streaming DiLoCo**: its own H = 13, 4 fragments (offsets 0, 3, 6 and 9), overlap τ = 1, α = 0.5, outer
+  Nesterov lr 1.0, outer gradients sent as 4-bit E3M0 without error feedback (Douillard et al. 2025);
 * **DiLoCo + top-k**: H = 50, outer gradients through ``cj.topk(0.05)`` with error feedback;
 * **DiLoCo, Muon inner**: H = 50, ``optax.contrib.muon`` as the inner optimizer (lr 0.02 for the matrices,
   AdamW's schedule for the rest), and **data-parallel with Muon**, its synchronous reference.
