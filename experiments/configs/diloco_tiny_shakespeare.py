@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Streaming DiLoCo: its own H (sync_every; 0 takes the rows' H above); fragments synced at offsets 0,
     # H / fragments, ...; overlap tau; mixing alpha; outer Nesterov SGD (momentum 0.9) at outer_lr; outer
     # gradients as 4-bit E3M0 without error feedback.  H = 13 still sends 104x fewer bytes than data-parallel
-    # (8x from the 4 bits, 13x from H); outer lr 1.0 was the best of 0.4 / 0.7 / 0.85 / 1.0 / 1.2 at H = 16.
+    # (8x from the 4 bits, 13x from H); outer lr 1.0 was the best or tied of 0.4 to 1.4 at H = 16 (README).
     config.streaming = ml_collections.ConfigDict({"sync_every": 13, "fragments": 4, "overlap": 1, "alpha": 0.5,
                                                   "outer_lr": 1.0})
     config.topk_ratio = 0.05  # DiLoCo + top-k: outer gradients through cj.topk(ratio) with error feedback
