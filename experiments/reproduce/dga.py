@@ -3,6 +3,7 @@
     python -m experiments.reproduce.dga                       # Fashion-MNIST CNN, 8 workers, D = 0, 2, 5, 10, 20
     python -m experiments.reproduce.dga --config.train.epochs=1 --delays 0,5   # shorter
     python -m experiments.reproduce.dga --publish --report-only --readme README.md   # the committed table
+    python -m experiments.reproduce.dga --stability   # the deviation bound per delay (no training)
 
 One main-job run (:func:`experiments.train.run_config`, compressor ``dga``) per
 delay, with the settings of ``experiments/configs/dga_fashion_mnist_cnn.py``
@@ -104,6 +105,77 @@ def model_step(ops, delay: int, network, compute_s: float, workers: int = WORKER
     return {"comm": comm, "paper": max(compute_s, comm_bytes, comm / (delay + 1)), "in_step": max(compute_s, comm)}
 
 
+def deviation_threshold(momentum: float, delay: int, *, step: float = 0.01, tol: float = 1e-4) -> float:
+    """The largest ``eta * lambda`` for which the workers' deviations from their average stay bounded under DGA.
+
+    One direction of curvature ``lambda`` of a quadratic, learning rate ``eta``,
+    heavy-ball momentum ``beta`` after the delayed correction (the main job's
+    chain).  The part of each update that is the same on every worker cancels, so
+    a worker's deviation ``d = w_i - mean_j w_j`` and ``M = eta * (m_i - mean_j m_j)``
+    follow, with ``a = eta * lambda``::
+
+        M_{t+1} = beta * M_t + a * (d_t - d_{t-D})
+        d_{t+1} = d_t - M_{t+1}
+
+    (the local gradient enters at once and leaves ``D`` steps later).  The mode
+    ``z = 1`` (a constant deviation, which no gradient difference excites) is
+    left out; the others must lie inside the unit circle.  With ``delay = 0``
+    there is no deviation: the function returns the bound of synchronous heavy
+    ball, ``2 (1 + beta)``.  With ``beta = 0`` the bound is 1 for every
+    ``D >= 1`` (the other roots of ``z^(D+1) + (a - 1) z^D - a`` multiply to
+    modulus ``a``).
+
+    Args:
+      momentum: ``beta`` in [0, 1).
+      delay: ``D``, an integer >= 0.
+      step: the scan's step in ``a``, then bisection to ``tol``.
+
+    Returns:
+      The threshold of ``a`` (dimensionless), at most 8.
+    """
+    import numpy as np
+
+    if delay == 0:
+        return 2.0 * (1.0 + momentum)
+
+    def radius(a):
+        n = delay + 2  # d_t, ..., d_{t-D}, M_t
+        m = np.zeros((n, n))
+        m[-1, -1], m[-1, 0], m[-1, delay] = momentum, a, -a
+        m[0] = -m[-1]
+        m[0, 0] += 1.0
+        for i in range(1, delay + 1):
+            m[i, i - 1] = 1.0
+        ev = np.linalg.eigvals(m)
+        ev = np.delete(ev, np.argmin(np.abs(ev - 1.0)))
+        return np.abs(ev).max()
+
+    lo = 0.0
+    for a in np.arange(step, 8.0 + step / 2, step):
+        if radius(a) >= 1.0:
+            hi = a
+            break
+        lo = a
+    else:
+        return 8.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if radius(mid) < 1.0 else (lo, mid)
+    return float(lo)
+
+
+def stability_text(momentum: float, delays) -> str:
+    """One line per delay: :func:`deviation_threshold` at ``momentum``, and its fraction of the synchronous bound."""
+    sync = deviation_threshold(momentum, 0)
+    lines = [f"Momentum {momentum:g} after the delayed correction: a worker's deviation from the workers' average "
+             f"stays bounded while eta * lambda is below (synchronous heavy ball: {sync:.2f})"]
+    for d in delays:
+        if d:
+            thr = deviation_threshold(momentum, d)
+            lines.append(f"  D = {d}: {thr:.3f} ({thr / sync:.1%} of the synchronous bound)")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], network_name: str, compute_s: float) -> str:
     base = next(r for r in rows if r["delay"] == 0)
     lines = [
@@ -162,7 +234,12 @@ def main(argv=None) -> list[dict]:
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
     p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
+    p.add_argument("--stability", action="store_true",
+                   help="only print, per delay, the eta*lambda below which the workers' deviations stay bounded")
     config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    if args.stability:
+        print(stability_text(config.train.momentum, config.delays))
+        return []
     out_dir = records.output_dir(args, "reproduce")
     from compjax import netmodel
 
