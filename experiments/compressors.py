@@ -277,12 +277,14 @@ register(
     "dga",
     (
         Option("--delay", int, 5, "DGA: steps D before a gradient's average arrives", Range(0, integer=True)),
+        Option("--period", int, 1, "DGA: steps K per averaged period (one exchange every K steps)",
+               Range(1, integer=True)),
         Option("--inner", str, "identity", "DGA: the compressor of the delayed exchange (its own options apply)",
                INNER),
     ),
     lambda a, ax, **kw: _cj().delayed_averaging(
-        a.delay, axis_name=ax, compressor=REGISTRY[a.inner].build(a, ax, skip_nonfinite=False), **kw
+        a.delay, axis_name=ax, period=a.period, compressor=REGISTRY[a.inner].build(a, ax, skip_nonfinite=False), **kw
     ),
-    lambda a: {"delay": a.delay, "inner": a.inner, **REGISTRY[a.inner].describe(a)},
+    lambda a: {"delay": a.delay, "period": a.period, "inner": a.inner, **REGISTRY[a.inner].describe(a)},
     nested="inner",
 )

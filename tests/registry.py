@@ -68,6 +68,9 @@ CASES = {
     "e3m0": Case(cj.e3m0),
     "delayed_averaging": Case(cj.delayed_averaging, (), {"delay": 2}, static=("delay",), one_path={"delay": 0}),
     "delayed_averaging_topk": Case(delayed_topk, (), {"delay": 1}, static=("delay",), one_path={"delay": 0}),
+    # Averaging every 2 steps, 1 step late: one step in two receives a period's average.
+    "delayed_averaging_period": Case(cj.delayed_averaging, (), {"delay": 1, "period": 2}, static=("delay", "period"),
+                                     one_path={"delay": 0, "period": 1}),
     "diloco": Case(diloco_sgd, (), {"sync_every": 2}, static=("sync_every", "fragments", "overlap", "e3m0"),
                    one_path={"sync_every": 1}, local_steps=True),
     # H = 2, two fragments (offsets 0 and 1), overlap 1: within 3 steps a fragment starts, one merges, one starts.

@@ -123,6 +123,62 @@ def test_nothing_is_sent_before_the_first_average_is_due(mesh):
     assert seen == [0] * delay + [dense] * 2
 
 
+
+def np_dga_period(steps, delay, period):
+    """Zhu et al. 2021, Algorithm 1 with period K: S_p = sum of a worker's g over steps pK .. pK + K - 1;
+    at t = pK + K - 1 + D the update is g_t - S_p + mean_j S^j_p, at every other step g_t.  Per worker, float64."""
+    outs = []
+    for t, g in enumerate(steps):
+        out = {k: v.astype(np.float64) for k, v in g.items()}
+        end = t - delay  # the last step of the period whose average arrives now, if one does
+        if end >= period - 1 and end % period == period - 1:
+            first = end - period + 1
+            for k, v in out.items():
+                s = sum(steps[u][k].astype(np.float64) for u in range(first, end + 1))
+                out[k] = v - s + s.mean(0)[None]
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("delay,period", [(0, 3), (2, 3), (5, 2), (1, 4), (3, 1)])
+def test_period_matches_numpy_reference_over_30_steps(delay, period):
+    n, steps = 4, 30
+    gs = grads_steps(steps, n, seed=10 * delay + period)
+    tx = cj.delayed_averaging(delay, axis_name=AXIS, period=period, skip_nonfinite=False)
+    f = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+    state = init_stacked(tx, {k: jnp.zeros(s) for k, s in SHAPES.items()}, n)
+    assert state.history[0].shape[1] == cj.algorithms.history_slots(delay, period) == 1 + -(-(delay - 1) // period)
+    want = np_dga_period(gs, delay, period)
+    dense = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+    for t in range(steps):
+        out, state = f(gs[t], state)
+        for k in SHAPES:
+            np.testing.assert_allclose(np.asarray(out[k]), want[t][k], rtol=1e-5, atol=1e-5, err_msg=f"{k} step {t}")
+        arrives = t - delay >= period - 1 and (t - delay) % period == period - 1
+        assert np.all(cj.payload_bytes(state) == (dense if arrives else 0)), t  # one exchange per period
+    np.testing.assert_allclose(np_dga_period(gs, delay, 1)[-1]["w"], np_dga(gs, delay)[-1]["w"])  # K = 1 rule
+
+
+def test_period_without_delay_is_local_sgd_with_model_averaging():
+    """D = 0, K = 3, plain SGD: every worker steps on its own gradients; at each period's end all models
+    equal the average of the models the workers reached (the update makes them so)."""
+    n, period, lr = 4, 3, 0.1
+    gs = grads_steps(9, n, seed=5)
+    tx = optax.chain(cj.delayed_averaging(0, axis_name=AXIS, period=period, skip_nonfinite=False), optax.sgd(lr))
+    params = {k: jnp.zeros((n, *s)) for k, s in SHAPES.items()}
+    local = {k: np.zeros((n, *s)) for k, s in SHAPES.items()}
+    f = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+    state = init_stacked(tx, {k: jnp.zeros(s) for k, s in SHAPES.items()}, n)
+    for t, g in enumerate(gs):
+        upd, state = f(g, state, params)
+        params = optax.apply_updates(params, upd)
+        local = {k: local[k] - lr * g[k] for k in SHAPES}
+        if t % period == period - 1:
+            local = {k: np.broadcast_to(v.mean(0), v.shape) for k, v in local.items()}
+        for k in SHAPES:
+            np.testing.assert_allclose(np.asarray(params[k]), local[k], rtol=1e-5, atol=1e-6, err_msg=f"{k} {t}")
+
+
 # --- the collective of step t reads no gradient of step t ---------------------------------------
 
 COLLECTIVES = {"psum", "psum2", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
@@ -169,12 +225,12 @@ def collective_inputs_depend_on(jaxpr, tainted):
     return found
 
 
-@pytest.mark.parametrize("skip_nonfinite", [False, True])
-def test_the_exchange_does_not_read_this_steps_gradient(mesh, skip_nonfinite):
+@pytest.mark.parametrize("skip_nonfinite,period", [(False, 1), (True, 1), (False, 3)])
+def test_the_exchange_does_not_read_this_steps_gradient(mesh, skip_nonfinite, period):
     """In the traced step, no collective's operand depends on the gradient given to this update
-    (except the non-finite vote, when the guard is on: one int32 pmax)."""
+    (except the non-finite vote, when the guard is on: one int32 pmax), with or without a period."""
     tx = cj.delayed_averaging(2, axis_name=AXIS, compressor=cj.topk(0.2, axis_name=AXIS, skip_nonfinite=False),
-                              skip_nonfinite=skip_nonfinite)
+                              skip_nonfinite=skip_nonfinite, period=period)
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
     spec = jax.sharding.PartitionSpec(AXIS)
 
@@ -218,7 +274,8 @@ def test_payload_bytes_equal_the_audited_exchange(mesh):
 @pytest.mark.parametrize(
     "kwargs,name",
     [({"delay": -1}, "delay"), ({"delay": 1.5}, "delay"), ({"delay": "2"}, "delay"),
-     ({"delay": 2, "compressor": "topk"}, "compressor")],
+     ({"delay": 2, "compressor": "topk"}, "compressor"), ({"delay": 2, "period": 0}, "period"),
+     ({"delay": 2, "period": 2.5}, "period")],
 )
 def test_bad_input(kwargs, name):
     with pytest.raises(ValueError, match=name):

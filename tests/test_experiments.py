@@ -179,7 +179,7 @@ def test_main_job_runs_delayed_averaging_with_an_inner_compressor(tmp_path):
     summary = train.main(["--compressor", "dga", "--delay", "2", "--inner", "topk", "--ratio", "0.05",
                           "--max-steps", "3", "--epochs", "1", "--train-limit", "2048", "--out", str(out),
                           "--no-progress"])
-    assert summary["config"]["options"] == {"delay": 2, "inner": "topk", "ratio": 0.05}
+    assert summary["config"]["options"] == {"delay": 2, "period": 1, "inner": "topk", "ratio": 0.05}
     assert summary["steps"] == 3 and summary["skipped_steps"] == []
     vote = 4  # cj.apply_if_finite's
     topk_bytes = summary["payload_bytes_per_step"] - vote  # the last step sent the first step's gradient

@@ -24,6 +24,7 @@ BAD_FLAGS = [
     (["--epochs", "x"], "--epochs"),
     (["--momentum", "1"], "--momentum 1.0"),
     (["--compressor", "dga", "--inner", "topk", "--ratio", "0"], "--ratio 0.0"),
+    (["--compressor", "dga", "--period", "0"], "--period 0"),
 ]
 
 

@@ -5,7 +5,8 @@
 """
 
 from compjax.algorithms import federated
-from compjax.algorithms.delayed import DelayedAveragingState, delayed_averaging
+from compjax.algorithms.delayed import DelayedAveragingState, delayed_averaging, history_slots
 from compjax.algorithms.diloco import DilocoState, diloco, fragment_assignment
 
-__all__ = ["DelayedAveragingState", "DilocoState", "delayed_averaging", "diloco", "federated", "fragment_assignment"]
+__all__ = ["DelayedAveragingState", "DilocoState", "delayed_averaging", "diloco", "federated", "fragment_assignment",
+           "history_slots"]
