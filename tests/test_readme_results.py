@@ -23,6 +23,7 @@ SOURCES = {
     "main_job": RESULTS / "reproduce" / "main_job.md",
     "dgc_fashion_mnist_cnn": RESULTS / "reproduce" / "dgc_fashion_mnist_cnn.md",
     "dga_fashion_mnist_cnn": RESULTS / "reproduce" / "dga_fashion_mnist_cnn.md",
+    "dga_fashion_mnist_cnn_k20": RESULTS / "reproduce" / "dga_fashion_mnist_cnn_k20.md",
     "diloco_tiny_shakespeare": RESULTS / "reproduce" / "diloco_tiny_shakespeare.md",
     "federated_fashion_mnist": RESULTS / "reproduce" / "federated_fashion_mnist.md",
     "bandwidth_table": RESULTS / "reproduce" / "bandwidth_table.md",
@@ -65,12 +66,15 @@ def test_dgc_table_is_what_its_records_say():
     assert dgc.table(results) == generated(SOURCES["dgc_fashion_mnist_cnn"])
 
 
-def test_dga_table_is_what_its_records_say():
-    saved = json.loads((RESULTS / "reproduce" / "dga_fashion_mnist_cnn.json").read_text())
+@pytest.mark.parametrize("name,folder", [("dga_fashion_mnist_cnn", "dga"), ("dga_fashion_mnist_cnn_k20", "dga_k20")])
+def test_dga_table_is_what_its_records_say(name, folder):
+    saved = json.loads((RESULTS / "reproduce" / f"{name}.json").read_text())
+    period = saved.get("period", 1)
     for row in saved["rows"]:  # accuracy, bytes and steps come from the JSONL records
-        _, summary = dgc.read_records(RESULTS / "reproduce" / "dga" / f"delay{row['delay']}.jsonl")
+        _, summary = dgc.read_records(RESULTS / "reproduce" / folder / f"delay{row['delay']}.jsonl")
+        assert summary["config"]["options"].get("period", 1) == period
         assert (row["accuracy"], row["accuracy_worker0"], row["bytes"], row["steps"]) == (
-            summary["test_accuracy"], summary.get("test_accuracy_worker0"), summary["payload_bytes_per_step"],
+            summary["test_accuracy"], summary.get("test_accuracy_worker0"), dga.row_bytes(summary, period),
             summary["steps"])
     net = saved["network"].get("name", "wan")
-    assert dga.table(saved["rows"], net, saved["compute_s"]) == generated(SOURCES["dga_fashion_mnist_cnn"])
+    assert dga.table(saved["rows"], net, saved["compute_s"], period) == generated(SOURCES[name])

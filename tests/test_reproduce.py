@@ -55,6 +55,18 @@ def test_dga_time_model_by_hand():
     assert math.isclose(d5["in_step"], comm)  # one step of compute cannot hide it
     d20 = dga.model_step(ops, 20, net, 0.05)
     assert math.isclose(d20["paper"], 0.05)  # compute-bound: comm / 21 = 27.5 ms < 50 ms
+    # One exchange every K = 4 steps: local SGD (D = 0) waits for it once per period; with D >= 1 the paper's
+    # system waits at an arrival for what D + 1 steps of compute did not hide; compjax's in-step overlap pays
+    # the exchange in one step of four.
+    k0 = dga.model_step(ops, 0, net, 0.05, period=4)
+    assert math.isclose(k0["paper"], 0.05 + comm / 4) and math.isclose(k0["in_step"], 0.05 + comm / 4)
+    k5 = dga.model_step(ops, 5, net, 0.05, period=4)  # two arrivals in the 6 steps that end at one (t = 4, 8)
+    assert math.isclose(k5["paper"], 0.05 + (comm - 6 * 0.05) / 2 / 4)
+    assert math.isclose(k5["in_step"], (3 * 0.05 + comm) / 4)
+    k2 = dga.model_step(ops, 2, net, 0.05, period=4)  # one arrival per period waits for the unhidden rest
+    assert math.isclose(k2["paper"], 0.05 + (comm - 3 * 0.05) / 4)
+    slow = netmodel.Network(bandwidth=1e3, latency=0.0)  # bandwidth-bound: 1.75 s of bytes per exchange
+    assert math.isclose(dga.model_step(ops, 20, slow, 0.05, period=4)["paper"], 2 * 7 / 8 * 1000 / 1e3 / 4)
 
 
 def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
@@ -71,3 +83,21 @@ def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
     assert md.count("\n| ") == 3 and "paper's system" in md  # header + 2 runs
     assert (tmp_path / "dga_fashion_mnist_cnn.png").stat().st_size > 1000
     assert json.loads((tmp_path / "dga_fashion_mnist_cnn.json").read_text())["network"]["latency"] > 0.01
+
+
+def test_tiny_dga_reproduction_with_a_period(tmp_path, capsys):
+    """--config.train.compressor.period=2: its own records, table and plot; one exchange every 2 steps."""
+    from experiments.reproduce import dga
+
+    tiny = ["--config.train.epochs=1", "--config.train.max_steps=4", "--config.train.train_limit=1024",
+            "--config.train.batch_size=64", "--config.train.compressor.period=2"]
+    rows = dga.main(["--out-dir", str(tmp_path), "--delays", "0,2", *tiny])
+    assert [r["delay"] for r in rows] == [0, 2]
+    assert rows[0]["bytes"] == 4 * 206_922 // 2  # local SGD: the dense exchange at steps 1 and 3 of 0-3
+    assert rows[1]["bytes"] == 4 * 206_922 // 4  # D = 2: the first period's average arrives at step 3 only
+    assert (tmp_path / "dga_k2" / "delay2.jsonl").exists() and not (tmp_path / "dga").exists()
+    md = (tmp_path / "dga_fashion_mnist_cnn_k2.md").read_text()
+    assert "period=2" in md.splitlines()[0] and "every K = 2 steps: D = 0 is local SGD" in md
+    assert md.count("\n| ") == 3 and (tmp_path / "dga_fashion_mnist_cnn_k2.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "dga_fashion_mnist_cnn_k2.json").read_text())["period"] == 2
+    assert "D=2 (averaging every 2 steps)" in capsys.readouterr().out

@@ -4,14 +4,19 @@
     python -m experiments.reproduce.dga --config.train.epochs=1 --delays 0,5   # shorter
     python -m experiments.reproduce.dga --publish --report-only --readme README.md   # the committed table
     python -m experiments.reproduce.dga --stability   # the deviation bound per delay (no training)
+    python -m experiments.reproduce.dga --config.train.compressor.period=20   # average every K = 20 steps
 
 One main-job run (:func:`experiments.train.run_config`, compressor ``dga``) per
 delay, with the settings of ``experiments/configs/dga_fashion_mnist_cnn.py``
-(``train``: the main-job config of every run); delay 0 is synchronous
-data-parallel SGD.  Records go under ``<out>/dga/``, the table to
-``<out>/dga_fashion_mnist_cnn.md`` and the accuracy-vs-time plot beside it,
+(``train``: the main-job config of every run); with the default period
+``K = 1`` delay 0 is synchronous data-parallel SGD, with ``K > 1`` it is local
+SGD that averages the models every ``K`` steps (FedAvg with every client
+taking part), the paper's baseline.  Records go under ``<out>/dga/``
+(``<out>/dga_k<K>/`` for ``K > 1``), the table to ``<out>/dga_fashion_mnist_cnn.md``
+(``..._k<K>.md``) and the accuracy-vs-time plot beside it,
 where ``<out>`` is ``runs/reproduce`` (git-ignored), or with ``--publish``
 ``experiments/results/reproduce`` (the committed results).
+
 
 **The time model** (printed with the table), per step of ``n = 8`` workers on the
 network preset (WAN: Mumbai–San Francisco):
@@ -24,13 +29,17 @@ network preset (WAN: Mumbai–San Francisco):
   The runs have no non-finite guard (``--no-skip-nonfinite``): its vote is an
   all-reduce on the current gradient, synchronous by nature, as costly in
   latency as the exchange itself on this link, and the paper has none;
-* delay 0 (synchronous): ``compute + comm``;
+* one exchange every ``K`` steps (the period; 1 by default);
+* delay 0: ``compute + comm / K`` (synchronous SGD with ``K = 1``: ``compute + comm``);
 * the paper's system (an exchange may take up to ``D`` further steps, sent by a
-  communication thread while the link carries one exchange's bytes per step):
-  ``max(compute, comm_bytes, comm / (D + 1))``, ``comm_bytes`` the bandwidth part;
+  communication thread; a step that receives an average waits for what ``D + 1``
+  steps of compute did not hide, shared among the ``1 + D // K`` arrivals in
+  ``D + 1`` steps; the link carries one exchange's bytes per ``K`` steps):
+  ``max(compute + max(0, comm - (D + 1) compute) / ((1 + D // K) K), comm_bytes / K)``,
+  ``comm_bytes`` the bandwidth part (with ``K = 1``: ``max(compute, comm / (D + 1), comm_bytes)``);
 * compjax's single-program step, where the delayed exchange is issued inside step
-  ``t`` and overlaps that step's computation only: ``max(compute, comm)`` for any
-  ``D >= 1``.
+  ``t`` and overlaps that step's computation only: ``((K - 1) compute + max(compute, comm)) / K``
+  for any ``D >= 1``.
 
 The modeled run time is the number of steps times the step time.
 """
@@ -56,6 +65,22 @@ def load_config(overrides=()):
     return config_cli.load(DEFAULT_CONFIG, list(overrides), prog=PROG)
 
 
+def period_of(config) -> int:
+    """The period ``K`` of every run of ``config``: ``config.train.compressor.period`` (1 if unset)."""
+    return int(config.train.compressor.get("period", 1))
+
+
+def names(config) -> tuple[str, str]:
+    """``(table name, record folder)``: ``dga_fashion_mnist_cnn``, ``dga`` for ``K = 1``; ``..._k<K>``, ``dga_k<K>`` else."""
+    k = period_of(config)
+    return (NAME, "dga") if k == 1 else (f"{NAME}_k{k}", f"dga_k{k}")
+
+
+def row_bytes(summary: dict, period: int) -> int:
+    """Bytes per step and worker of a run: the last step's (the steady state) with ``K = 1``, else the run's mean."""
+    return summary["payload_bytes_per_step"] if period == 1 else round(summary["payload_bytes_mean_per_step"])
+
+
 def run_config(config, delay: int):
     """The main-job config of the run with ``delay``: ``config.train`` with ``compressor.delay = delay``."""
     cfg = train.default_config()
@@ -64,12 +89,12 @@ def run_config(config, delay: int):
     return cfg
 
 
-def audited_and_compute(config, delay: int, workers: int = WORKERS):
+def audited_and_compute(config, delay: int, workers: int = WORKERS, *, measure: bool = True):
     """The collectives of the main job's compiled step with ``delay`` (steady state) and one worker's compute time.
 
     Returns ``(collectives, compute_s)``: the audit of the data-parallel step as
     the main job builds it, and the median seconds of one worker's forward and
-    backward pass on its ``batch_size / workers`` images.
+    backward pass on its ``batch_size / workers`` images (None unless ``measure``).
     """
     import jax
     import numpy as np
@@ -90,22 +115,30 @@ def audited_and_compute(config, delay: int, workers: int = WORKERS):
     ops = audit_collectives(step, parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh),
                             parallel.shard_batch((x, y), mesh))
     local = (x[: cfg.batch_size // workers], y[: cfg.batch_size // workers])
-    compute_s = netmodel.measure_compute_time(jax.jit(jax.grad(loss_fn)), params, local, repeats=20)
+    compute_s = netmodel.measure_compute_time(jax.jit(jax.grad(loss_fn)), params, local, repeats=20) if measure else None
     return ops, compute_s
 
 
-def model_step(ops, delay: int, network, compute_s: float, workers: int = WORKERS) -> dict[str, float]:
-    """Seconds per step under the module docstring's model: synchronous, the paper's pipelining, compjax's in-step overlap."""
+def model_step(ops, delay: int, network, compute_s: float, workers: int = WORKERS, period: int = 1) -> dict[str, float]:
+    """Seconds per step under the module docstring's model: without delay, the paper's pipelining, compjax's in-step overlap.
+
+    ``ops``: the collectives of one exchange (a step that sends); ``period``: one
+    exchange every ``period`` steps.  ``comm`` is the time of one exchange.
+    """
     from compjax import netmodel
 
     comm = netmodel.predict_step(ops, workers, network, compute_s).comm_s
     comm_bytes = netmodel.predict_step(ops, workers, netmodel.Network(network.bandwidth, 0.0), compute_s).comm_s
     if delay == 0:
-        return {"comm": comm, "paper": compute_s + comm, "in_step": compute_s + comm}
-    return {"comm": comm, "paper": max(compute_s, comm_bytes, comm / (delay + 1)), "in_step": max(compute_s, comm)}
+        return {"comm": comm, "paper": compute_s + comm / period, "in_step": compute_s + comm / period}
+    arrivals = 1 + delay // period  # steps that receive an average among any D + 1 consecutive ones
+    wait = max(0.0, comm - (delay + 1) * compute_s) / arrivals  # what D + 1 steps of compute do not hide
+    return {"comm": comm, "paper": max(compute_s + wait / period, comm_bytes / period),
+            "in_step": ((period - 1) * compute_s + max(compute_s, comm)) / period}
 
 
-def deviation_threshold(momentum: float, delay: int, *, step: float = 0.01, tol: float = 1e-4) -> float:
+def deviation_threshold(momentum: float, delay: int, period: int = 1, *, step: float = 0.01,
+                        tol: float = 1e-4) -> float:
     """The largest ``eta * lambda`` for which the workers' deviations from their average stay bounded under DGA.
 
     One direction of curvature ``lambda`` of a quadratic, learning rate ``eta``,
@@ -114,39 +147,49 @@ def deviation_threshold(momentum: float, delay: int, *, step: float = 0.01, tol:
     a worker's deviation ``d = w_i - mean_j w_j`` and ``M = eta * (m_i - mean_j m_j)``
     follow, with ``a = eta * lambda``::
 
-        M_{t+1} = beta * M_t + a * (d_t - d_{t-D})
+        M_{t+1} = beta * M_t + a * (d_t - [t = pK + K - 1 + D] * sum_{s = pK}^{pK + K - 1} d_s)
         d_{t+1} = d_t - M_{t+1}
 
-    (the local gradient enters at once and leaves ``D`` steps later).  The mode
-    ``z = 1`` (a constant deviation, which no gradient difference excites) is
-    left out; the others must lie inside the unit circle.  With ``delay = 0``
-    there is no deviation: the function returns the bound of synchronous heavy
-    ball, ``2 (1 + beta)``.  With ``beta = 0`` the bound is 1 for every
+    (the local gradient enters at once and leaves when its period's average
+    arrives; with ``period = 1`` the bracket is ``d_{t-D}`` at every step).
+    The map over one period is linear; its mode ``z = 1`` (a constant
+    deviation, which no gradient difference excites) is left out, the others
+    must lie inside the unit circle.  With ``delay = 0`` and ``period = 1`` there
+    is no deviation: the function returns the bound of synchronous heavy ball,
+    ``2 (1 + beta)``.  With ``beta = 0, period = 1`` the bound is 1 for every
     ``D >= 1`` (the other roots of ``z^(D+1) + (a - 1) z^D - a`` multiply to
-    modulus ``a``).
+    modulus ``a``).  A period ``K >= 2 D`` restores most of the synchronous range.
 
     Args:
       momentum: ``beta`` in [0, 1).
       delay: ``D``, an integer >= 0.
+      period: ``K``, an integer >= 1.
       step: the scan's step in ``a``, then bisection to ``tol``.
 
     Returns:
-      The threshold of ``a`` (dimensionless), at most 8.
+      The first ``a`` (dimensionless) at which a mode stops decaying, at most 8.
     """
     import numpy as np
 
-    if delay == 0:
+    if delay == 0 and period == 1:
         return 2.0 * (1.0 + momentum)
+    n = delay + period + 1  # d_t, ..., d_{t-D-K+1}, M_t
 
     def radius(a):
-        n = delay + 2  # d_t, ..., d_{t-D}, M_t
-        m = np.zeros((n, n))
-        m[-1, -1], m[-1, 0], m[-1, delay] = momentum, a, -a
-        m[0] = -m[-1]
-        m[0, 0] += 1.0
-        for i in range(1, delay + 1):
-            m[i, i - 1] = 1.0
-        ev = np.linalg.eigvals(m)
+        mono = np.eye(n)
+        for phase in range(period):
+            row = np.zeros(n)  # M_{t+1} = beta M_t + a (d_t - correction)
+            row[0], row[-1] = a, momentum
+            if (phase - delay + 1) % period == 0:  # t - D ends a period
+                row[delay:delay + period] -= a
+            m = np.zeros((n, n))
+            m[-1] = row
+            m[0] = -row
+            m[0, 0] += 1.0
+            for i in range(1, n - 1):
+                m[i, i - 1] = 1.0
+            mono = m @ mono
+        ev = np.linalg.eigvals(mono)
         ev = np.delete(ev, np.argmin(np.abs(ev - 1.0)))
         return np.abs(ev).max()
 
@@ -164,25 +207,34 @@ def deviation_threshold(momentum: float, delay: int, *, step: float = 0.01, tol:
     return float(lo)
 
 
-def stability_text(momentum: float, delays) -> str:
-    """One line per delay: :func:`deviation_threshold` at ``momentum``, and its fraction of the synchronous bound."""
+def stability_text(momentum: float, delays, period: int = 1) -> str:
+    """One line per delay: :func:`deviation_threshold` at ``momentum`` and ``period``, and its fraction of the synchronous bound."""
     sync = deviation_threshold(momentum, 0)
-    lines = [f"Momentum {momentum:g} after the delayed correction: a worker's deviation from the workers' average "
-             f"stays bounded while eta * lambda is below (synchronous heavy ball: {sync:.2f})"]
+    every = "every step" if period == 1 else f"every {period} steps"
+    lines = [(f"Momentum {momentum:g} after the delayed correction, averaging {every}: a worker's deviation from the "
+              f"workers' average stays bounded while eta * lambda is below (synchronous heavy ball: {sync:.2f})")]
     for d in delays:
-        if d:
-            thr = deviation_threshold(momentum, d)
+        if d or period > 1:
+            thr = deviation_threshold(momentum, d, period)
             lines.append(f"  D = {d}: {thr:.3f} ({thr / sync:.1%} of the synchronous bound)")
     return "\n".join(lines)
 
 
-def table(rows: list[dict], network_name: str, compute_s: float) -> str:
+def table(rows: list[dict], network_name: str, compute_s: float, period: int = 1) -> str:
+    """The markdown table of ``rows``; speedups against synchronous SGD (``sync_*``: its modeled step, ``K = 1, D = 0``)."""
     base = next(r for r in rows if r["delay"] == 0)
+    if period == 1:
+        schedule = "Averaging every step (K = 1): D = 0 is synchronous data-parallel SGD."
+        local = "its own last D local gradients"
+    else:
+        schedule = (f"Averaging every K = {period} steps: D = 0 is local SGD (FedAvg with every worker taking part); "
+                    "bytes/step are the run's mean, comm the time of one exchange.")
+        local = "its own local gradients since the last period that has arrived"
     lines = [
         (f"Network `{network_name}`, {WORKERS} workers; compute {1e3 * compute_s:.1f} ms/step (one worker's forward "
-         "and backward pass, measured on this CPU); communication from the audited step. Test accuracy of the "
-         "workers' average model (with D > 0 each worker has also applied its own last D local gradients, whose "
-         "averages are still in flight; worker 0's own model beside it)."),
+         "and backward pass, measured on this CPU); communication from the audited step. " + schedule +
+         " Test accuracy of the workers' average model (with D > 0 each worker has also applied " + local +
+         ", whose averages are still in flight; worker 0's own model beside it). Speedups are against synchronous SGD."),
         "",
         ("| delay D | test accuracy | Δ vs D = 0 (points) | worker 0's model | bytes/step/worker | "
          "modeled comm (ms/step) | modeled step, paper's system (ms) | modeled run, paper's system (s) | speedup | "
@@ -191,11 +243,12 @@ def table(rows: list[dict], network_name: str, compute_s: float) -> str:
     ]
     for r in rows:
         own = r.get("accuracy_worker0")
+        sync_paper, sync_in_step = r.get("sync_paper", base["paper"]), r.get("sync_in_step", base["in_step"])
         lines.append(
             f"| {r['delay']} | {100 * r['accuracy']:.2f}% | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
             f"{'same' if own is None else f'{100 * own:.2f}%'} | "
             f"{r['bytes']:,} | {1e3 * r['comm']:.1f} | {1e3 * r['paper']:.1f} | {r['paper'] * r['steps']:.0f} | "
-            f"{base['paper'] / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {base['in_step'] / r['in_step']:.2f}× | "
+            f"{sync_paper / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {sync_in_step / r['in_step']:.2f}× | "
             f"{r['epochs']:g} | {r['steps']} |"
         )
     return "\n".join(lines) + "\n"
@@ -233,19 +286,22 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
     records.add_output_arguments(p, "reproduce")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
-    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
+    p.add_argument("--readme", type=Path, default=None,
+                   help=f"also replace the results:{NAME} block of this file (results:{NAME}_k<K> with a period K > 1)")
     p.add_argument("--stability", action="store_true",
                    help="only print, per delay, the eta*lambda below which the workers' deviations stay bounded")
     config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    period = period_of(config)
     if args.stability:
-        print(stability_text(config.train.momentum, config.delays))
+        print(stability_text(config.train.momentum, config.delays, period))
         return []
+    name, folder = names(config)
     out_dir = records.output_dir(args, "reproduce")
     from compjax import netmodel
 
     network = netmodel.Network.presets()[config.network]
     delays = [int(d) for d in args.delays.split(",")] if args.delays else list(config.delays)
-    record_dir = out_dir / "dga"
+    record_dir = out_dir / folder
     record_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for d in delays:
@@ -259,38 +315,46 @@ def main(argv=None) -> list[dict]:
         epochs, summary = read_records(path)
         if summary is None:
             continue
-        audits[d], c = audited_and_compute(config, d)
+        audits[d], c = audited_and_compute(config, d, measure=compute_s is None)
         if votes := [o for o in audits[d] if o.operands == (("s32", ()),)]:
             raise SystemExit(f"the audited step of D={d} holds a non-finite vote {votes}: set "
                              "config.skip_nonfinite = False (the model treats every collective as delayable)")
         compute_s = c if compute_s is None else compute_s  # one measurement for every row
         ops = audits[d]
-        times = model_step(ops, d, network, compute_s)
+        times = model_step(ops, d, network, compute_s, period=period)
+        sync = model_step(ops, 0, network, compute_s)  # the same exchange every step, waited for
         rows.append({"delay": d, "accuracy": summary["test_accuracy"],
-                     "accuracy_worker0": summary.get("test_accuracy_worker0"), "bytes": summary["payload_bytes_per_step"],
-                     "steps": summary["steps"], "epochs": summary.get("epochs_run", len(epochs)), **times})
+                     "accuracy_worker0": summary.get("test_accuracy_worker0"), "bytes": row_bytes(summary, period),
+                     "steps": summary["steps"], "epochs": summary.get("epochs_run", len(epochs)), **times,
+                     "sync_paper": sync["paper"], "sync_in_step": sync["in_step"]})
     if not any(r["delay"] == 0 for r in rows):
         raise SystemExit(f"no record of the delay-0 run under {record_dir}")
-    text = table(rows, config.network, compute_s)
-    (out_dir / f"{NAME}.md").write_text(
-        f"<!-- generated by: python -m experiments.reproduce.dga (--report-only rebuilds it) -->\n{text}")
-    (out_dir / f"{NAME}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
-                                                           "rows": rows, "config": config.to_dict()}, indent=1))
-    plot(rows, out_dir / f"{NAME}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers")
+    text = table(rows, config.network, compute_s, period)
+    flag = "" if period == 1 else f" --config.train.compressor.period={period}"
+    (out_dir / f"{name}.md").write_text(
+        f"<!-- generated by: python -m experiments.reproduce.dga{flag} (--report-only rebuilds it) -->\n{text}")
+    (out_dir / f"{name}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
+                                                           "period": period, "rows": rows,
+                                                           "config": config.to_dict()}, indent=1))
+    every = "" if period == 1 else f", averaging every {period} steps"
+    plot(rows, out_dir / f"{name}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers{every}")
     if args.readme:
         from experiments.results_table import update_readme
 
-        update_readme(args.readme, text, NAME)
+        update_readme(args.readme, text, name)
     print(text, end="")
-    best = max(r["delay"] for r in rows)
+    shown = sorted({r["delay"] for r in rows} & {10, max(r["delay"] for r in rows)} - {0})
+    every = "every step" if period == 1 else f"every {period} steps"
     for latency in (network.latency, config.seed_latency_s):
         net = netmodel.Network(network.bandwidth, latency, network.name)
-        sync, delayed = model_step(audits[0], 0, net, compute_s), model_step(audits[best], best, net, compute_s)
-        print(f"Modeled speedup of D={best} over synchronous SGD at {1e3 * latency:.0f} ms one-way latency "
-              f"({8 * network.bandwidth / 1e6:.0f} Mbit/s, {WORKERS} workers): "
-              f"{sync['paper'] / delayed['paper']:.2f}x if an exchange may take D steps (the paper's system), "
-              f"{sync['in_step'] / delayed['in_step']:.2f}x with compjax's in-step overlap; assumptions: "
-              "python -m experiments.reproduce.dga --help", flush=True)
+        for d in shown:
+            sync = model_step(audits[d], 0, net, compute_s)
+            delayed = model_step(audits[d], d, net, compute_s, period=period)
+            print(f"Modeled speedup of D={d} (averaging {every}) over synchronous SGD at {1e3 * latency:.0f} ms "
+                  f"one-way latency ({8 * network.bandwidth / 1e6:.0f} Mbit/s, {WORKERS} workers): "
+                  f"{sync['paper'] / delayed['paper']:.2f}x if an exchange may take D steps (the paper's system), "
+                  f"{sync['in_step'] / delayed['in_step']:.2f}x with compjax's in-step overlap; assumptions: "
+                  "python -m experiments.reproduce.dga --help", flush=True)
     return rows
 
 
