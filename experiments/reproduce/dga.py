@@ -244,12 +244,11 @@ def table(rows: list[dict], network_name: str, compute_s: float, period: int = 1
     ]
     for r in rows:
         own = r.get("accuracy_worker0")
-        sync_paper, sync_in_step = r.get("sync_paper", base["paper"]), r.get("sync_in_step", base["in_step"])
         lines.append(
             f"| {r['delay']} | {100 * r['accuracy']:.2f}% | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
             f"{'same' if own is None else f'{100 * own:.2f}%'} | "
             f"{r['bytes']:,} | {1e3 * r['comm']:.1f} | {1e3 * r['paper']:.1f} | {r['paper'] * r['steps']:.0f} | "
-            f"{sync_paper / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {sync_in_step / r['in_step']:.2f}× | "
+            f"{r['sync_paper'] / r['paper']:.2f}× | {1e3 * r['in_step']:.1f} | {r['sync_in_step'] / r['in_step']:.2f}× | "
             f"{r['epochs']:g} | {r['steps']} |"
         )
     return "\n".join(lines) + "\n"
@@ -337,8 +336,8 @@ def main(argv=None) -> list[dict]:
     (out_dir / f"{name}.json").write_text(json.dumps({"network": network._asdict(), "compute_s": compute_s,
                                                            "period": period, "rows": rows,
                                                            "config": config.to_dict()}, indent=1))
-    every = "" if period == 1 else f", averaging every {period} steps"
-    plot(rows, out_dir / f"{name}.png", f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers{every}")
+    title = f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers"
+    plot(rows, out_dir / f"{name}.png", title if period == 1 else f"{title}, averaging every {period} steps")
     if args.readme:
         from experiments.results_table import update_readme
 
