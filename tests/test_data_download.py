@@ -1,7 +1,7 @@
 """The three data loaders' downloads (Fashion-MNIST, CIFAR-10, Tiny Shakespeare), never over the real network.
 
 A local HTTP server on 127.0.0.1 (port 0, in a thread) serves small files
-written here; each loader's URL, checksums, Debian/shared/cache paths are
+written here; each loader's URL, checksums, Debian/cache paths are
 monkeypatched to it and to ``tmp_path``.  "Offline" is a URL on a port that was
 just bound and closed (connection refused).  Every test runs in well under a
 second.
@@ -225,7 +225,6 @@ class TinyShakespeare:
         self.cache = tmp_path / "cache"
         monkeypatch.delenv(lm_data.ENV_VAR, raising=False)
         monkeypatch.setattr(lm_data, "SHA256", hashlib.sha256(raw).hexdigest())
-        monkeypatch.setattr(lm_data, "SHARED_PATH", tmp_path / "shared" / "tinyshakespeare.txt")  # absent
         monkeypatch.setattr(lm_data, "CACHE_PATH", self.cache / "tinyshakespeare.txt")
         self.monkeypatch = monkeypatch
         self.set_url(server.url)

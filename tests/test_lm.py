@@ -3,7 +3,11 @@
 import hashlib
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -17,17 +21,19 @@ from flax import nnx
 import compjax as cj
 from experiments.lm import data, model
 from experiments.lm.train import train
+from tests.tiny_shakespeare import EXCERPT, EXCERPT_CHARS, EXCERPT_SHA256, use_excerpt
 
+REPO = Path(__file__).resolve().parents[1]
 # A model small enough for a few seconds of compilation and 20 steps on 2 CPU cores.
 MICRO = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16}
 
 
 @pytest.fixture(scope="module")
 def text():
-    try:
-        return data.load_text(download=False)  # tests never download
-    except FileNotFoundError:
-        pytest.skip("Tiny Shakespeare not available locally")
+    """The committed excerpt (tests/data), read through the loader with its sha256 expected; never a download."""
+    with pytest.MonkeyPatch.context() as mp:
+        use_excerpt(mp, env=False)
+        return data.load_text(EXCERPT, download=False)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +43,9 @@ def raw(text):
 
 @pytest.fixture
 def no_local(tmp_path, monkeypatch):
-    """No env var, no shared file, an empty cache under tmp_path: load_text must download."""
+    """No env var, an empty cache under tmp_path, the excerpt's sha256 expected: load_text must download."""
     monkeypatch.delenv(data.ENV_VAR, raising=False)
-    monkeypatch.setattr(data, "SHARED_PATH", tmp_path / "shared" / "tinyshakespeare.txt")
+    monkeypatch.setattr(data, "SHA256", EXCERPT_SHA256)
     monkeypatch.setattr(data, "CACHE_PATH", tmp_path / "cache" / "tinyshakespeare.txt")
     return tmp_path / "cache"
 
@@ -60,11 +66,18 @@ def serve(monkeypatch, payload: bytes) -> list:
 
 
 def test_local_file_checksum(tmp_path, raw, monkeypatch):
+    """The sha256 check on a file on disk: the excerpt is refused against the canonical digest, read against its own."""
+    assert len(raw) == EXCERPT_CHARS and hashlib.sha256(raw).hexdigest() == EXCERPT_SHA256  # the committed excerpt
+    assert raw.startswith(b"First Citizen:\nBefore we proceed any further, hear me speak.")
     good = tmp_path / "good.txt"
     good.write_bytes(raw)
+    with pytest.raises(data.ChecksumError) as err:  # not the canonical text: both digests named
+        data.load_text(good, download=False)
+    assert str(good) in str(err.value) and EXCERPT_SHA256 in str(err.value) and data.SHA256 in str(err.value)
+    monkeypatch.setattr(data, "SHA256", EXCERPT_SHA256)
     assert hashlib.sha256(data.load_text(good).encode()).hexdigest() == data.SHA256
     monkeypatch.setenv(data.ENV_VAR, str(good))
-    assert len(data.load_text(download=False)) == 1_115_394
+    assert len(data.load_text(download=False)) == EXCERPT_CHARS
 
     bad = tmp_path / "bad.txt"
     bad.write_bytes(raw[:-1] + b"?")
@@ -75,10 +88,54 @@ def test_local_file_checksum(tmp_path, raw, monkeypatch):
         data.load_text()
 
 
-def test_shared_path_is_beside_the_checkout():
-    repo = Path(data.__file__).resolve().parents[2]
-    assert (repo / "experiments" / "lm" / "data.py").is_file()
-    assert data.SHARED_PATH == repo.parent / "shared" / "data" / "tinyshakespeare.txt"
+#: Run in a copy of experiments/: load the text with no env var, an empty cache and download=False.
+NOWHERE = """
+import json, sys
+from experiments.lm import data
+data.SHA256 = sys.argv[1]  # the file planted beside the copy would pass the checksum
+touched = []
+sys.addaudithook(lambda event, args: touched.append(str(args[0])) if event in ("open", "os.listdir", "os.scandir") else None)
+try:
+    data.load_text(download=False)
+    error = None
+except data.DataUnavailable as e:
+    error = str(e)
+print(json.dumps({"module": data.__file__, "locate": data.locate(), "error": error, "touched": touched}, default=str))
+"""
+
+
+def test_never_looks_beside_the_checkout(tmp_path, monkeypatch):
+    """The loader looks only at its argument, $COMPJAX_TINYSHAKESPEARE and the cache: not beside the checkout.
+
+    experiments/ is copied to tmp_path/repo and a text the loader would accept is planted at
+    tmp_path/shared/data/tinyshakespeare.txt, beside that copy.  With the env var unset, an empty cache
+    ($COMPJAX_DATA, and HOME) and download=False, loading raises DataUnavailable naming the env var and the
+    download, and the planted file is never opened."""
+    monkeypatch.delenv(data.ENV_VAR, raising=False)
+    monkeypatch.setattr(data, "CACHE_PATH", tmp_path / "cache" / data.FILE_NAME)
+    assert data.locate() is None  # in this process: nothing but the (empty) cache is a candidate
+    assert {k for k, v in vars(data).items() if isinstance(v, Path)} == {"CACHE_ROOT", "CACHE_PATH"}  # nowhere else
+
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO / "experiments", copy / "experiments",
+                    ignore=shutil.ignore_patterns("results", "runs", "__pycache__"))
+    planted = tmp_path / "shared" / "data" / data.FILE_NAME
+    planted.parent.mkdir(parents=True)
+    shutil.copyfile(EXCERPT, planted)
+    env = {k: v for k, v in os.environ.items() if k not in (data.ENV_VAR, "PYTHONPATH")}
+    env |= {"COMPJAX_DATA": str(tmp_path / "cache"), "HOME": str(tmp_path / "home"), "PYTHONPATH": str(copy)}
+    proc = subprocess.run([sys.executable, "-c", NOWHERE, EXCERPT_SHA256], check=False, cwd=copy, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert Path(out["module"]).is_relative_to(copy)  # the copy's loader ran
+    assert out["locate"] is None
+    error = out["error"]
+    assert error is not None, "the text planted beside the checkout was loaded"
+    assert "\n" not in error and str(tmp_path / "cache" / data.FILE_NAME) in error
+    assert f"set {data.ENV_VAR}=FILE" in error and f"allow the download of {data.URL} (download=True)" in error
+    assert str(tmp_path / "shared") not in error and "shared/data" not in error
+    assert not [p for p in out["touched"] if (tmp_path / "shared").as_posix() in p]
 
 
 def test_download_mocked(no_local, raw, monkeypatch):
@@ -106,19 +163,23 @@ def test_bad_download_raises_and_leaves_no_file(no_local, raw, monkeypatch):
 
 def test_vocab_round_trip(text):
     vocab = data.Vocab.from_text(text)
-    assert vocab.size == 65
+    assert vocab.size == 58  # the excerpt's characters (the full text has 65)
     assert list(vocab.chars) == sorted(set(text))
     ids = vocab.encode(text[:5000])
-    assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < 65
+    assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < vocab.size
     assert vocab.decode(ids) == text[:5000]
     assert vocab.encode("\n ").tolist() == [0, 1]  # the smallest characters come first
 
 
-def test_split_sizes(text):
+def test_split_sizes(text, monkeypatch):
+    use_excerpt(monkeypatch)  # found through $COMPJAX_TINYSHAKESPEARE
     vocab, train_tokens, val_tokens = data.load_dataset(download=False)
     n = len(text)
-    assert len(train_tokens) == int(0.9 * n) == 1_003_854
-    assert len(val_tokens) == n - int(0.9 * n) == 111_540
+    assert len(train_tokens) == int(0.9 * n) == 35_917
+    assert len(val_tokens) == n - int(0.9 * n) == 3_991
+    # the full text's split, as load_dataset's docstring states it
+    assert int(0.9 * 1_115_394) == 1_003_854 and 1_115_394 - 1_003_854 == 111_540
+    assert "``(1003854,)``" in data.load_dataset.__doc__ and "``(111540,)``" in data.load_dataset.__doc__
     assert vocab.decode(train_tokens[-100:]) + vocab.decode(val_tokens[:100]) == text[int(0.9 * n) - 100:
                                                                                        int(0.9 * n) + 100]
 
@@ -201,7 +262,7 @@ def run(text, make_tx, **kw):
 def test_train_synchronous(text):
     res = run(text, lambda ax: optax.chain(cj.identity(axis_name=ax), optax.sgd(0.1)))
     num_params = res["config"]["num_params"]
-    assert num_params == model.num_params(65, **MICRO)
+    assert res["config"]["vocab"] == len(set(text)) and num_params == model.num_params(len(set(text)), **MICRO)
     loss = res["train_loss"]
     assert len(loss) == 20 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.3
     assert res["eval_step"] == [0, 10, 20]

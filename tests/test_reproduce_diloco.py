@@ -9,6 +9,7 @@ import pytest
 from experiments import records
 from experiments.reproduce import diloco as repro
 from tests.helpers import files_under
+from tests.tiny_shakespeare import use_excerpt
 
 #: tiny settings, as --config.KEY=VALUE overrides of the default config (H = 4 for every row, 2 fragments)
 TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train.eval_batches=1",
@@ -24,8 +25,12 @@ def _outputs(rows):
 
 @pytest.fixture(scope="module")
 def tiny_run(roots):
-    """Data-parallel and Streaming DiLoCo, 8 steps, with the default output: (rows by name, records by name)."""
-    rows = {r["row"]: r for r in repro.main(["--rows", *ROWS, *TINY])}
+    """Data-parallel and Streaming DiLoCo, 8 steps, with the default output: (rows by name, records by name).
+
+    The text is the committed excerpt of Tiny Shakespeare (tests/data), found through $COMPJAX_TINYSHAKESPEARE."""
+    with pytest.MonkeyPatch.context() as mp:
+        use_excerpt(mp)
+        rows = {r["row"]: r for r in repro.main(["--rows", *ROWS, *TINY])}
     out = roots[0] / "reproduce" / "diloco"
     return rows, {k: json.loads((out / f"{k}.json").read_text()) for k in rows}
 

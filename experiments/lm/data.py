@@ -6,10 +6,7 @@ The text: 1,115,394 ASCII characters, sha256
 
 1. an explicit path (a file, or a folder holding ``tinyshakespeare.txt``);
 2. the environment variable ``COMPJAX_TINYSHAKESPEARE`` (same forms);
-3. ``shared/data/tinyshakespeare.txt`` beside the repository checkout
-   (:data:`SHARED_PATH`, found from this package's location, not the working
-   directory);
-4. the cache file :data:`CACHE_PATH` (``$COMPJAX_DATA/tinyshakespeare.txt``,
+3. the cache file :data:`CACHE_PATH` (``$COMPJAX_DATA/tinyshakespeare.txt``,
    default ``~/.cache/compjax/tinyshakespeare.txt``).
 
 An explicit or environment path is used alone: when its file is missing, the
@@ -54,8 +51,6 @@ from experiments.data import CACHE_ROOT, ChecksumError, DataUnavailable, fetch
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 ENV_VAR = "COMPJAX_TINYSHAKESPEARE"
-#: ``shared/data/tinyshakespeare.txt`` in the folder that holds the repository checkout (offline tests and CI).
-SHARED_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 #: The file name looked for in a folder given as the path.
 FILE_NAME = "tinyshakespeare.txt"
 #: The download cache (``$COMPJAX_DATA``, default ``~/.cache/compjax``, as the Fashion-MNIST loader).
@@ -88,17 +83,14 @@ def locate(path: str | os.PathLike | None = None) -> Path | None:
       path: an explicit file, or a folder (meaning its ``tinyshakespeare.txt``).
 
     Returns:
-      The first of ``path``, ``$COMPJAX_TINYSHAKESPEARE`` (either one whether
-      its file exists or not), :data:`SHARED_PATH` and :data:`CACHE_PATH` that
-      is given (the first two) or exists (the last two); None when none is.
+      ``path`` if given, else ``$COMPJAX_TINYSHAKESPEARE`` if set (either one
+      whether its file exists or not), else :data:`CACHE_PATH` if it exists;
+      None otherwise.
     """
     explicit = _explicit(path)
     if explicit is not None:
         return explicit
-    for cand in (SHARED_PATH, CACHE_PATH):
-        if cand.is_file():
-            return cand
-    return None
+    return CACHE_PATH if CACHE_PATH.is_file() else None
 
 
 def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -> str:
@@ -108,8 +100,8 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
       path: read this file (or ``<folder>/tinyshakespeare.txt``), and nothing
         else; download to it when it is missing.  Default:
         ``$COMPJAX_TINYSHAKESPEARE`` if set (used the same way), else
-        :data:`SHARED_PATH`, else :data:`CACHE_PATH`, else download (see
-        ``download``) into :data:`CACHE_PATH`.
+        :data:`CACHE_PATH`, else download (see ``download``) into
+        :data:`CACHE_PATH`.
       download: when the file is missing, fetch :data:`URL` (the default; the
         sha256 is checked before the file is put in place); False raises
         :class:`DataUnavailable` instead.
@@ -124,7 +116,8 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
         message says to delete it).
       DataUnavailable: (a ``FileNotFoundError``) the file is missing and could
         not be downloaded, or ``download`` is False; a one-line message with
-        the reason and what to do.
+        the reason and what to do (set ``$COMPJAX_TINYSHAKESPEARE``, or allow
+        or retry the download).
 
     Examples:
       >>> from experiments.lm import data
@@ -135,9 +128,9 @@ def load_text(path: str | os.PathLike | None = None, *, download: bool = True) -
     found = locate(path)
     if found is None or not found.is_file():
         dest = CACHE_PATH if found is None else found
-        looked = [SHARED_PATH, CACHE_PATH] if found is None else [found]
+        looked = [dest]
         what = f"Tiny Shakespeare ({FILE_NAME})"
-        hints = ([f"put the file at {SHARED_PATH}", f"set {ENV_VAR}=FILE"] if found is None
+        hints = ([f"set {ENV_VAR}=FILE (a copy of the text, or a folder holding {FILE_NAME})"] if found is None
                  else [f"put the file at {found}"])
         if not download:
             raise DataUnavailable(what, looked, None, hints, URL)
