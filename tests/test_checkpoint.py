@@ -111,11 +111,45 @@ def test_bad_resume_and_mesh_flags_exit_with_one_line(argv, message):
         train.main(["--no-progress", *argv])
 
 
-def test_extra_is_the_value_at_save_time(tmp_path):
-    """Saves are asynchronous: changing the extra dict (or a NumPy leaf) right after save() must not reach the
-    checkpoint (the main job's progress dict moves on while the save is written)."""
-    import numpy as np
+def test_restore_refuses_another_dtype_naming_the_leaf_and_both_dtypes(tmp_path):
+    """A float32 checkpoint onto a bfloat16 target of the same shape: refused by name, not cast on the way in."""
+    mesh = parallel.make_mesh(8)
+    like = {"params": parallel.replicate({"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros(3)}, mesh)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"params": parallel.replicate({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}, mesh)})
+        with pytest.raises(ValueError, match=r"leaf \['params'\]\['w'\] is \[\[8, 4, 3\], 'float32'\] .* "
+                                             r"but \[\[8, 4, 3\], 'bfloat16'\]"):
+            ckpt.restore(like)
 
+
+def test_restore_of_a_missing_step_names_the_steps_there(tmp_path):
+    """Asking for a step the directory does not hold: compjax's own message, with the steps it does hold."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"w": jnp.ones(3)})
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 5 in \S+ \(steps there: \[2\]\)"):
+            ckpt.restore({"w": jnp.ones(3)}, step=5)
+        state, _ = ckpt.restore({"w": jnp.ones(3)}, step=2)  # the step that is there restores
+        assert state["w"].tolist() == [1.0] * 3
+
+
+def test_extra_is_the_value_at_save_time(tmp_path, monkeypatch):
+    """Saves are asynchronous: changing the extra dict (or a NumPy leaf) right after save() must not reach the
+    checkpoint (the main job's progress dict moves on while the save is written).  The background JSON write is
+    held until the caller has changed everything, so a missing copy fails every time, not by timing."""
+    import threading
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    release, held = threading.Event(), []
+    write = ocp.JsonCheckpointHandler._save_fn
+
+    async def held_write(self, x, directory):
+        background = threading.current_thread() is not threading.main_thread()
+        held.append(background and release.wait(timeout=120))  # never blocks the caller's own thread
+        await write(self, x, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", held_write)
     ck = Checkpointer(tmp_path / "ck")
     progress = {"done": 2, "losses": [0.5, 0.25]}
     perm = np.arange(1000)
@@ -123,7 +157,9 @@ def test_extra_is_the_value_at_save_time(tmp_path):
     progress["done"] = 3
     progress["losses"].append(0.125)
     perm[:] = 0
+    release.set()
     state, extra = ck.restore({"w": jnp.ones(3), "perm": np.zeros(1000, perm.dtype)})
+    assert held == [True]  # the meta item was written in the background, after the changes above
     assert extra["progress"] == {"done": 2, "losses": [0.5, 0.25]}
     np.testing.assert_array_equal(state["perm"], np.arange(1000))
     ck.close()

@@ -233,6 +233,21 @@ def test_each_fragment_syncs_once_per_period_and_the_peak_drops(tau):
         assert all(np.ptp(got[i], axis=0).max() > 1e-2 for i in frags[0])
 
 
+@pytest.mark.parametrize(("H", "Pf", "offsets"), [
+    (5, 2, [0, 2]),      # (p H) // P with H not a multiple of P: floor(5/2) = 2, not 3
+    (4, 3, [0, 1, 2]),   # floor(4/3) = 1, floor(8/3) = 2, not 2 and 3
+])
+def test_fragment_offsets_when_fragments_do_not_divide_sync_every(H, Pf, offsets):
+    """Each step's bytes are those of the fragments due at it (s ≡ t_p mod H), with t_p = (p H) // P written out."""
+    n, steps = 2, 3 * H
+    _, sent, _ = run_vmap(cj.diloco(optax.sgd(0.1), sync_every=H, fragments=Pf, axis_name=AXIS), steps, n)
+    leaves = jax.tree.leaves(init_params())
+    frag_bytes = [4 * sum(leaves[i].size for i in idx) for idx in fragment_assignment(init_params(), Pf)]
+    assert len(set(frag_bytes)) == Pf  # every fragment has its own size: the bytes tell which one synced
+    want = [sum(frag_bytes[p] for p in range(Pf) if (s - offsets[p]) % H == 0) for s in range(1, steps + 1)]
+    assert sent == want
+
+
 def test_streaming_matches_numpy():
     n, H, Pf = 4, 4, 2
     tx = cj.diloco(optax.sgd(0.1), sync_every=H, fragments=Pf, outer=optax.sgd(0.4, momentum=0.9, nesterov=True),

@@ -138,15 +138,47 @@ def test_scallion_identity_is_single_message_scaffold_and_classic_scaffold():
 PARTIAL = [[0, 2, 3, 5], [1, 2, 4, 5]]  # 4 of N = 6 clients per round
 
 
-def test_scafcom_topk_matches_numpy_reference():
-    """SCAFCOM (Huang et al. Alg. 3), top-k without error feedback, beta = 0.5, 2 rounds, 4 of 6 clients."""
+def np_fedavg(picks, X, Y, *, compress, glr):
+    """FedAvg (McMahan et al. 2017, Alg. 1) with a server learning rate (Reddi et al. 2021, Alg. 1, SGD server):
+    y_i = K local SGD steps from x;  x <- x + glr * mean_S C(y_i - x).  compress(t, s, delta) -> decoded delta."""
+    x = {k: v.astype(np.float64) for k, v in P0.items()}
+    for t, clients in enumerate(picks):
+        sent = [compress(t, s, {k: y[k] - x[k] for k in x}) for s, y in
+                enumerate(np_local(x, zeros(), X[i], Y[i]) for i in clients)]
+        x = {k: x[k] + glr * np.mean([d[k] for d in sent], axis=0) for k in x}
+    return x
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["fp32", "topk"])
+def test_fedavg_matches_numpy_reference_with_a_server_learning_rate(compressed):
+    """FedAvg and compressed FedAvg (top-k, no error feedback), global_lr = 0.6, 3 rounds, 4 of 6 clients, against
+    NumPy: x <- x + 0.6 mean_S C(y_i - x) (a flipped sign, or global_lr dropped, would move x elsewhere)."""
+    X, Y = data(seed=6)
+    picks = PARTIAL + [[0, 1, 3, 4]]
+    comp = cj.topk(0.34, error_feedback=False, axis_name=AX) if compressed else None
+    alg = cj.federated.fedavg(loss_fn, num_clients=N, participation=4 / N, local_steps=K, local_lr=LR,
+                              global_lr=0.6, compressor=comp)
+    state = run(alg, picks, X, Y)
+    x = np_fedavg(picks, X, Y, compress=np_topk(0.34) if compressed else (lambda t, s, m: m), glr=0.6)
+    assert_tree_close(state.server.params, x)
+    assert int(state.server.round) == 3 and state.server.control is None
+    moved = max(np.abs(x[k] - P0[k]).max() for k in x)
+    assert moved > 0.1  # the rounds moved x: the reference is not x0 == x0
+    d = sum(np.size(v) for v in P0.values())
+    assert cj.payload_bytes(state).tolist() == ([(3 + 1) * 8 + 4] if compressed else [4 * d]) * 4
+
+
+@pytest.mark.parametrize("beta", [0.2, 0.3])
+def test_scafcom_topk_matches_numpy_reference(beta):
+    """SCAFCOM (Huang et al. Alg. 3), top-k without error feedback, 2 rounds, 4 of 6 clients; beta = 0.2 (the
+    paper's) and 0.3: v_i <- (1 - beta) v_i + beta (...), not beta v_i + (1 - beta) (...) (the same at 0.5)."""
     X, Y = data()
-    alg = cj.federated.scafcom(loss_fn, num_clients=N, participation=4 / N, local_steps=K, local_lr=LR, beta=0.5,
+    alg = cj.federated.scafcom(loss_fn, num_clients=N, participation=4 / N, local_steps=K, local_lr=LR, beta=beta,
                                global_lr=0.8, compressor=cj.topk(0.34, error_feedback=False, axis_name=AX))
     state = run(alg, PARTIAL[:1], X, Y)
     after_one = state.clients
     state = run(alg, PARTIAL[1:], X, Y, state)
-    x, c, ci, v = np_single_message(PARTIAL, X, Y, kind="scafcom", compress=np_topk(0.34), beta=0.5, glr=0.8)
+    x, c, ci, v = np_single_message(PARTIAL, X, Y, kind="scafcom", compress=np_topk(0.34), beta=beta, glr=0.8)
     assert_tree_close(state.server.params, x)
     assert_tree_close(state.server.control, c)
     assert_tree_close(state.clients.control, {k: np.stack([d[k] for d in ci]) for k in x})
@@ -207,6 +239,41 @@ def test_classic_scaffold_partial_participation_keeps_c_mean_of_ci():
     assert_tree_close(classic.server, single.server)
     assert_tree_close(classic.clients, single.clients)
     assert np.abs(np.asarray(classic.server.control["w"])).max() > 1e-3  # the invariant is not 0 == 0
+
+
+@pytest.mark.parametrize("which", ["fedavg", "scafcom"])
+def test_a_round_with_a_nonfinite_client_is_skipped_and_changes_nothing(which):
+    """One participant's loss is NaN and the uplink votes (top-k, skip_nonfinite=True): RoundInfo.skipped, and the
+    server's parameters, control variate and round, every c_i and v_i are bitwise as before; the next round then
+    gives bitwise what it gives without the skipped round in between."""
+    X, Y = data(seed=7)
+    comp = cj.topk(0.5, error_feedback=False, skip_nonfinite=True, axis_name=AX)
+    common = {"num_clients": N, "participation": 4 / N, "local_steps": K, "local_lr": LR, "global_lr": 0.8,
+              "compressor": comp}
+    alg = cj.federated.scafcom(loss_fn, beta=0.3, **common) if which == "scafcom" else cj.federated.fedavg(
+        loss_fn, **common)
+    first, second = PARTIAL
+    before = run(alg, [first], X, Y)
+    Xbad = X.copy()
+    Xbad[second[1], 1, 2, 0] = np.nan  # client 2 (slot 1): NaN from its second local step on
+    cl = jnp.asarray(second, jnp.int32)
+    after, info = alg.round(before, cl, (jnp.asarray(Xbad)[cl], jnp.asarray(Y)[cl]))
+    assert bool(info.skipped)
+    loss = np.asarray(info.loss)
+    assert np.isnan(loss[1]) and np.isfinite(np.delete(loss, 1)).all()
+    kept = (before.server, before.clients), (after.server, after.clients)
+    assert len(jax.tree.leaves(kept[0])) == (9 if which == "scafcom" else 3)  # x (2 leaves), c, round; c_i, v_i
+    for a, b in zip(*(jax.tree.leaves(t) for t in kept), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if which == "scafcom":
+        assert np.abs(np.asarray(before.clients.momentum["w"])).max() > 0  # kept means something: they had moved
+    assert int(after.server.round) == 1 and int(after.comm.skipped[0]) == 1
+    # The round after: as if the skipped one had not happened.
+    again, info = alg.round(after, cl, (jnp.asarray(X)[cl], jnp.asarray(Y)[cl]))
+    straight = run(alg, [second], X, Y, before)
+    assert not bool(info.skipped) and int(again.server.round) == 2
+    for a, b in zip(*(jax.tree.leaves((t.server, t.clients)) for t in (again, straight)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_own_payload_solo_equals_shadow():

@@ -1,6 +1,7 @@
 """The alpha-beta model against hand-computed costs, the step prediction, the audited bytes it uses, and bad input."""
 
 import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +78,35 @@ def test_presets():
     assert Network(1e9, 1e-6) == Network(bandwidth=1e9, latency=1e-6, name="")
     assert Network.from_gbit(10, 20, name="x") == Network(1.25e9, 20e-6, "x")
     assert Network(1.25e9, 2e-5).label == "10 Gbit/s, 20 us" and Network.wan.label == "wan"
+
+
+#: The table of presets in ``Network``'s docstring, as written there: (bandwidth, latency).
+DOCUMENTED = {
+    "ethernet_1g": ("1 Gbit/s", "50 us"),
+    "ethernet_10g": ("10 Gbit/s", "20 us"),
+    "infiniband_100g": ("100 Gbit/s", "5 us"),
+    "infiniband_400g": ("400 Gbit/s", "5 us"),
+    "nvlink": ("450 GB/s", "3 us"),
+    "tpu_dcn": ("50 Gbit/s", "25 us"),
+    "wan": ("100 Mbit/s", "110 ms"),
+}
+UNITS = {"Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "GB/s": 1e9, "us": 1e-6, "ms": 1e-3}  # -> bytes/s, seconds
+
+
+def test_every_preset_is_the_documented_table():
+    """Each preset's bandwidth (bytes/s) and latency (s) equal the docstring's table, and the table is the one above."""
+    def value(text):
+        number, unit = text.split()
+        return float(number) * UNITS[unit]
+
+    presets = Network.presets()
+    assert set(presets) == set(DOCUMENTED)
+    for name, (bandwidth, latency) in DOCUMENTED.items():
+        net = presets[name]
+        assert math.isclose(net.bandwidth, value(bandwidth), rel_tol=1e-12), (name, net.bandwidth, bandwidth)
+        assert math.isclose(net.latency, value(latency), rel_tol=1e-12), (name, net.latency, latency)
+    rows = re.findall(r"^\s*``(\w+)``\s+(\d+ \S+)\s+(\d+ \S+)\s", Network.__doc__, re.MULTILINE)
+    assert {name: (bw, lat) for name, bw, lat in rows} == DOCUMENTED
 
 
 # --------------------------------------------------------------------------- predict_step
