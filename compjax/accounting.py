@@ -102,8 +102,11 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
       worker-stacked state (one entry per worker).
 
     Raises:
-      ValueError: no ``payload_bytes`` counter was found (e.g. a chain without a
-        compressor, or an object this function cannot read).
+      ValueError: an array sharded as replicated whose copies differ across
+        devices (worker-local state returned by ``pmap(..., out_axes=None)``,
+        :func:`compjax.replicas.check_replicas_agree`); no ``payload_bytes``
+        counter was found (e.g. a chain without a compressor, or an object this
+        function cannot read).
       TypeError: called on traced values (inside ``jit``): read the state after the step.
 
     Examples:
@@ -114,6 +117,9 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
       >>> int(cj.payload_bytes(state))   # 2 int32 indices + 2 float32 values
       16
     """
+    from compjax.replicas import check_replicas_agree
+
+    check_replicas_agree(opt_state, "payload_bytes", exact=False)  # worker-local state claimed replicated: refused
     tree = opt_state
     try:
         from flax import nnx

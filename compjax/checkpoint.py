@@ -12,14 +12,25 @@ and restores it onto the shardings of a *target*: a state of the same
 structure built the usual way (``parallel.replicate``,
 ``parallel.init_worker_state``) or its ``jax.ShapeDtypeStruct`` view, so
 NamedTuple states come back typed and each worker's slice lands on its device.
-Restored arrays are bit-identical to the saved ones.
+Restored arrays are bit-identical to the saved ones.  Typed PRNG keys
+(``jax.random.key(...)``, any implementation: NNX ``Rngs`` streams, keys in a
+NamedTuple state, worker-stacked keys) are stored as their
+``jax.random.key_data`` with their implementation's name, and come back as typed
+keys of that implementation (``jax.random.wrap_key_data``) on the target's
+sharding.
+
+Worker-local state must be worker-stacked: :meth:`Checkpointer.save` refuses an
+array sharded as replicated whose copies differ across devices
+(:func:`compjax.replicas.check_replicas_agree`), which a checkpoint would
+otherwise store as one worker's copy.
 
 Beside the arrays each step stores a JSON ``meta`` item: the state's
 signature (worker count, state types, leaf shapes and dtypes) and a
 caller-given ``extra`` dict (counters, a NumPy ``Generator``'s state, ...).
 :meth:`Checkpointer.restore` compares the signature with the target's first and
 raises a ``ValueError`` naming both sides when the worker count, the state
-types (e.g. another compressor's state) or a leaf's shape differ.
+types (e.g. another compressor's state), a leaf's shape or dtype, or the kind of
+a key (typed ``key<fry>`` against raw ``uint32`` key data) differ.
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ from typing import Any, Self
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from compjax.replicas import check_replicas_agree
 
 __all__ = ["Checkpointer", "signature"]
 
@@ -41,23 +56,53 @@ def signature(state: Any) -> dict:
     """A JSON-able description of ``state``: worker count, state types and leaves.
 
     Args:
-      state: a pytree of arrays (``jax.Array``, NumPy or ``ShapeDtypeStruct``).
+      state: a pytree of arrays (``jax.Array``, NumPy or ``ShapeDtypeStruct``;
+        typed PRNG keys included).
 
     Returns:
-      ``{"workers": n or None, "types": [names], "leaves": {path: [shape, dtype]}}``:
-      ``workers`` is the leading dimension shared by most array leaves of rank
-      >= 1 (the worker axis of a worker-stacked state; None when there are none),
-      ``types`` the class names of the NamedTuples and registered pytree nodes
-      (e.g. ``TopkState``) in tree order without repeats.
+      ``{"workers": n or None, "types": [names], "leaves": {path: [shape, dtype]},
+      "keys": {path: impl}}``: ``workers`` is the leading dimension shared by
+      most array leaves of rank >= 1 (the worker axis of a worker-stacked
+      state; None when there are none), ``types`` the class names of the
+      NamedTuples and registered pytree nodes (e.g. ``TopkState``) in tree order
+      without repeats.  A typed PRNG key's entry in ``leaves`` has the key
+      array's shape and its key dtype (``'key<fry>'``, ``'key<rbg>'``, ...; raw
+      key data is ``'uint32'`` with a trailing key dimension), and ``keys``
+      gives its implementation's name (``'threefry2x32'``, ...).
+
+    Examples:
+      >>> import jax
+      >>> sig = signature({"rng": jax.random.key(0), "raw": jax.random.PRNGKey(0)})
+      >>> sig["leaves"], sig["keys"]
+      ({"['raw']": [[2], 'uint32'], "['rng']": [[], 'key<fry>']}, {"['rng']": 'threefry2x32'})
     """
-    leaves = {}
+    leaves, keys = {}, {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        leaves[jax.tree_util.keystr(path)] = [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
+        name = jax.tree_util.keystr(path)
+        if _is_key(leaf):
+            leaves[name] = [list(leaf.shape), str(leaf.dtype)]
+            keys[name] = _key_impl(leaf)
+        else:
+            leaves[name] = [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
     lead = Counter(shape[0] for shape, _ in leaves.values() if shape)
     treedef = str(jax.tree_util.tree_structure(state))
     names = re.findall(r"CustomNode\((?:namedtuple\[)?([\w.]+)", treedef)
     types = list(dict.fromkeys(names))
-    return {"workers": lead.most_common(1)[0][0] if lead else None, "types": types, "leaves": leaves}
+    return {"workers": lead.most_common(1)[0][0] if lead else None, "types": types, "leaves": leaves, "keys": keys}
+
+
+def _is_key(x: Any) -> bool:
+    """Whether ``x`` (an array or ``ShapeDtypeStruct``) holds typed PRNG keys."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(x: Any) -> str:
+    """The PRNG implementation's name of typed keys ``x`` (a key array or its ``ShapeDtypeStruct``)."""
+    if isinstance(x, jax.Array):
+        return str(jax.random.key_impl(x))
+    found = []  # an abstract key: read the implementation while tracing
+    jax.eval_shape(lambda k: found.append(str(jax.random.key_impl(k))), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return found[0]
 
 
 def _mismatch(saved: dict, wanted: dict, where: str) -> str | None:
@@ -71,6 +116,16 @@ def _mismatch(saved: dict, wanted: dict, where: str) -> str | None:
                 "algorithm or optimizer?)")
     for path in dict.fromkeys([*saved["leaves"], *wanted["leaves"]]):
         a, b = saved["leaves"].get(path), wanted["leaves"].get(path)
+        if a and b and a[1].startswith("key<") != b[1].startswith("key<"):
+            saved_typed = a[1].startswith("key<")
+            typed, raw = ("the checkpoint", "this run") if saved_typed else ("this run", "the checkpoint")
+            return (f"{where}: leaf {path} holds typed PRNG keys ({(a if saved_typed else b)[1]}) in {typed} but "
+                    f"raw uint32 key data in {raw} (checkpoint: {a}, this run: {b}, as [shape, dtype]): "
+                    "build the state with the same kind of key as the run that saved it "
+                    "(jax.random.key(...) makes typed keys, jax.random.PRNGKey(...) raw key data)")
+        if a and b and a[1].startswith("key<") and a[1] != b[1]:
+            return (f"{where}: leaf {path} holds {a[1]} PRNG keys in the checkpoint but {b[1]} keys in this run: "
+                    "another PRNG implementation (jax.random.key(..., impl=...) or jax_default_prng_impl)")
         if a != b:
             return (f"{where}: leaf {path} is {a or 'absent'} (shape, dtype) in the checkpoint but {b or 'absent'} "
                     "in this run (other compressor options, model or optimizer?)")
@@ -78,10 +133,50 @@ def _mismatch(saved: dict, wanted: dict, where: str) -> str | None:
 
 
 def _abstract(x: Any) -> Any:
-    """The restore target of one leaf: a ShapeDtypeStruct with the leaf's sharding (NumPy leaves as they are)."""
+    """The restore target of one leaf: a ShapeDtypeStruct with the leaf's sharding (NumPy leaves as they are).
+
+    Typed keys are restored as their key data: uint32 with the key's trailing
+    dimension, sharded as the keys are (that dimension unsharded).
+    """
+    if _is_key(x):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=_key_data_sharding(x, data.ndim))
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return x
+
+
+def _key_data_sharding(x: Any, ndim: int) -> Any:
+    """The sharding of ``jax.random.key_data(x)`` (rank ``ndim``) for typed keys ``x`` with a sharding."""
+    s = getattr(x, "sharding", None)
+    if s is None or isinstance(s, SingleDeviceSharding):
+        return s
+    if isinstance(s, NamedSharding):
+        return NamedSharding(s.mesh, P(*s.spec, *(None,) * (ndim - len(s.spec))), memory_kind=s.memory_kind)
+    if isinstance(x, jax.Array):
+        return jax.random.key_data(x).sharding
+    raise ValueError(f"cannot restore typed PRNG keys onto a {type(s).__name__}: give the target as arrays, or as "
+                     "ShapeDtypeStructs with a NamedSharding or SingleDeviceSharding")
+
+
+def _wrap_keys(restored: Any, like: Any, impls: dict) -> Any:
+    """``restored`` with the key data of every typed-key leaf of ``like`` wrapped back into keys, on its sharding."""
+    def wrap(path, data, target):
+        if not _is_key(target):
+            return data
+        impl = jax.random.key_impl(target) if isinstance(target, jax.Array) else impls[jax.tree_util.keystr(path)]
+        keys = jax.random.wrap_key_data(data, impl=impl)
+        sharding = getattr(target, "sharding", None)
+        if sharding is not None and keys.sharding != sharding:
+            keys = jax.device_put(keys, sharding)
+        return keys
+
+    return jax.tree_util.tree_map_with_path(wrap, restored, like)
+
+
+def _key_data(x: Any) -> Any:
+    """The leaf as saved: typed keys as their uint32 key data, anything else as it is."""
+    return jax.random.key_data(x) if _is_key(x) else x
 
 
 class Checkpointer:
@@ -131,15 +226,24 @@ class Checkpointer:
         may change it right away (the arrays are copied by Orbax before it
         returns; the tests check both).
 
+        Typed PRNG keys are written as their ``jax.random.key_data`` (their
+        implementation goes into the signature, see :func:`signature`).
+
         Raises:
-          ValueError: ``step`` < 0 or not newer than the latest saved step.
+          ValueError: ``step`` < 0 or not newer than the latest saved step; or an
+            array sharded as replicated whose copies differ across devices
+            (worker-local state returned by ``pmap(..., out_axes=None)``, see
+            :func:`compjax.replicas.check_replicas_agree`): the checkpoint would
+            hold one worker's copy only.
           TypeError: ``extra`` not JSON-serializable.
         """
         latest = self.latest_step()
         if step < 0 or (latest is not None and step <= latest):
             raise ValueError(f"step must be >= 0 and newer than the latest checkpoint ({latest}), got {step}")
+        check_replicas_agree(state, "Checkpointer.save")
         # The write happens in the background: snapshot the extra dict, which the caller may change next.
         meta = {"signature": signature(state), "extra": json.loads(json.dumps(extra or {}))}
+        state = jax.tree.map(_key_data, state)
         self._manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                                meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -162,13 +266,15 @@ class Checkpointer:
 
         Returns:
           ``(state, extra)``: the restored state (same pytree types as ``like``,
-          arrays bit-identical to the saved ones) and the ``extra`` dict given
-          to :meth:`save`.
+          arrays bit-identical to the saved ones, typed PRNG keys as typed keys
+          of the saved implementation on ``like``'s shardings) and the ``extra``
+          dict given to :meth:`save`.
 
         Raises:
           FileNotFoundError: no checkpoint in the directory (or not ``step``).
           ValueError: the checkpoint's worker count, state types or a leaf's
-            shape or dtype differ from ``like``'s (the message names both).
+            shape or dtype differ from ``like``'s (the message names both),
+            typed PRNG keys against raw ``uint32`` key data included.
         """
         self.wait()
         step = self.latest_step() if step is None else int(step)
@@ -181,7 +287,7 @@ class Checkpointer:
             raise ValueError(why)
         target = jax.tree.map(_abstract, like)
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        return restored["state"], meta["extra"]
+        return _wrap_keys(restored["state"], like, meta["signature"].get("keys", {})), meta["extra"]
 
     def wait(self) -> None:
         """Block until every save in flight is on disk."""
