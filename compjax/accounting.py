@@ -3,7 +3,12 @@
 ``payload_bytes`` reads the counters the compressors keep; ``audit_collectives``
 reads the collectives of a compiled program from its HLO, so anyone can check
 that the two agree: what a compressor says it sends is what its collectives
-carry.
+carry.  The audit also tells who issued each collective: compjax issues every
+one of its collectives inside the named scope ``compjax/...``
+(:mod:`compjax.collectives`), which the compiled program keeps in its op
+metadata; a model's own collectives (a synchronized BatchNorm, a metrics
+``pmean``) and the all-reduces XLA's SPMD partitioner inserts into an
+auto-sharded ``jax.jit`` step carry other names.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import numpy as np
 
 from compjax import bytecount
 
-__all__ = ["COLLECTIVE_OPS", "Collective", "audit_collectives", "payload_bytes"]
+__all__ = [
+    "COLLECTIVE_OPS",
+    "Collective",
+    "audit_collectives",
+    "bytes_by_issuer",
+    "format_collectives",
+    "payload_bytes",
+]
 
 #: HLO opcodes counted as collectives (async ``-start`` forms included; ``-done`` skipped).
 COLLECTIVE_OPS = (
@@ -38,6 +50,20 @@ _DTYPE_BITS = {
     "f8e4m3b11fnuz": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
 }
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# The compjax scope as a path segment of an op name, also under JAX's transformation
+# wrappers (``transpose(jvp(compjax))/...``).
+_COMPJAX_RE = re.compile(r"(?:^|[/(])compjax\)*/")
+_UNCOUNTED_RE = re.compile(r"(?:^|[/(])compjax_uncounted\)*/")
+
+
+def _issuer(scope: str) -> str | None:
+    if _UNCOUNTED_RE.search(scope):
+        return "compjax-uncounted"
+    return "compjax" if _COMPJAX_RE.search(scope) else None
+
+
+def _array_bytes(dtype: str, shape: tuple) -> int:
+    return math.ceil(math.prod(shape) * _DTYPE_BITS[dtype] / 8)
 
 
 class Collective(NamedTuple):
@@ -54,6 +80,16 @@ class Collective(NamedTuple):
         four), read from the HLO (list or iota form); None where the HLO gives
         none (every device in one group).  On a 2-D mesh this tells which mesh
         axis a collective runs over.
+      scopes: the op name each operand carries in the compiled program's
+        metadata, one string per entry of ``operands`` (``""`` where the HLO
+        gives none): JAX's name stack when the collective was traced, e.g.
+        ``"jit(step)/shard_map/compjax/sparse_mean/all_gather"`` for compjax's,
+        ``"jit(step)/transpose(jvp(...))/dot_general"`` for an all-reduce XLA's
+        SPMD partitioner inserted for a gradient.  Where XLA combined several
+        collectives into one instruction, each operand gets the name of the
+        collective it came from (read from the combined instruction's
+        ``(name:name:...)`` op name or from the ``get-tuple-element`` that
+        replaced each original).
     """
 
     op: str
@@ -61,6 +97,7 @@ class Collective(NamedTuple):
     bytes: int
     name: str
     replica_groups: tuple | None = None
+    scopes: tuple = ()
 
     @property
     def dtype(self) -> str:
@@ -73,6 +110,38 @@ class Collective(NamedTuple):
         if len(self.operands) == 1:
             return self.operands[0][1]
         return tuple(s for _, s in self.operands)
+
+    @property
+    def issuers(self) -> tuple:
+        """Who issued each operand, one per entry of ``operands``: ``"compjax"`` (its
+        scope holds the path segment ``compjax/``: a compressor's payload, issued
+        through :mod:`compjax.collectives` and counted by :func:`payload_bytes`),
+        ``"compjax-uncounted"`` (issued by compjax's step builders under
+        ``compjax_uncounted/``: the dense fast-axis gradient mean of a 2-D mesh,
+        model state averaged over workers; no compressor counts it) or None (the
+        model, XLA's SPMD partitioner, any other code)."""
+        scopes = self.scopes or ("",) * len(self.operands)
+        return tuple(_issuer(s) for s in scopes)
+
+    @property
+    def issuer(self) -> str | None:
+        """The operands' common issuer (``"compjax"``, ``"compjax-uncounted"`` or None),
+        or ``"mixed"`` if XLA combined collectives of different issuers into this one."""
+        kinds = set(self.issuers)
+        if len(kinds) == 1:
+            return kinds.pop()
+        return "mixed" if kinds else None
+
+    @property
+    def by_compjax(self) -> bool:
+        """Whether compjax issued every operand of this collective (``issuer == "compjax"``)."""
+        return self.issuer == "compjax"
+
+    @property
+    def compjax_bytes(self) -> int:
+        """Bytes of the operands compjax issued: ``bytes`` for compjax's collectives, 0 for
+        the others, the share of compjax's operands in a mixed one."""
+        return sum(_array_bytes(d, s) for (d, s), who in zip(self.operands, self.issuers) if who == "compjax")
 
 
 def _key_name(k) -> str | None:
@@ -224,6 +293,37 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     collective.  Note that ``jax.vmap(..., axis_name=...)`` compiles collectives
     away: audit under ``shard_map`` or ``pmap``.
 
+    **Who issued it.**  Each collective's ``scopes`` holds the op name its
+    operands carry in the compiled program's metadata, and ``issuer`` says
+    whether compjax issued it: every collective compjax issues goes through
+    :mod:`compjax.collectives`, inside the named scope ``compjax/<what>``
+    (``vote``, ``dense_mean``, ``sparse_mean``, ``gathered_mean``, ``max``).  A
+    model's own collectives (a synchronized BatchNorm, a metrics ``pmean``) and
+    the gradient all-reduce XLA's SPMD partitioner inserts into a ``jax.jit``
+    step over replicated parameters and a sharded batch (no ``shard_map``: a
+    compressor with ``axis_name=None`` then sends nothing and the gradients
+    travel densely) read ``issuer=None``.  :func:`bytes_by_issuer` splits the
+    bytes, :func:`format_collectives` prints the table.  With jaxlib 0.10.2 on
+    CPU the scope survives into the compiled program, also inside ``lax.cond``
+    branches and loops and when XLA's all-reduce combiner merges collectives
+    (compjax's with a model's, too: ``issuer="mixed"``, each operand keeps its
+    own scope); where a combiner drops the merged op name, each operand's is read
+    from the ``get-tuple-element`` that replaced the original collective (after
+    the ``-done`` of an async collective).  compjax's other collectives, which no
+    compressor counts: the fast-axis mean of
+    :func:`compjax.parallel.data_parallel_step` on a 2-D mesh and model state averaged over workers by
+    :func:`compjax.parallel.worker_step` (``average=``): both run under the
+    scope ``compjax_uncounted/`` and read ``issuer="compjax-uncounted"``.
+
+    **Bytes.**  The bytes are those of the compiled operands, which can differ
+    from the traced dtype: XLA:CPU reduces bfloat16 as float32 and float8 as
+    float16 (twice the bytes; :func:`compjax.collectives.reduce_bytes` counts
+    them so) and would widen all-gathers the same way, which is why compjax
+    sends narrow floats through all-gathers bitcast to unsigned integers.  For
+    every compressor, ``payload_bytes`` equals the audited compjax bytes of one
+    step for float32, bfloat16 and float16 leaves (checked on CPU; other
+    backends are taken to reduce 16-bit floats natively).
+
     Args:
       fn: a function or a ``jax.jit``-wrapped function.
       *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
@@ -248,29 +348,100 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
       >>> ops = audit_collectives(step, p, s, x)
       >>> sorted((op.op, op.dtype, op.bytes) for op in ops)
       [('all-gather', 'f32', 400), ('all-gather', 's32', 400), ('all-reduce', 's32', 4)]
+      >>> sorted({op.issuer for op in ops}), bytes_by_issuer(ops)
+      (['compjax'], {'compjax': 804, 'compjax-uncounted': 0, 'other': 0})
       >>> p, s, loss_per_worker = step(p, s, x)
       >>> int(cj.payload_bytes(s)[0]) == sum(op.bytes for op in ops)
       True
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    text = jitted.lower(*args, **kwargs).compile().as_text()
+    return _collectives_of_hlo(jitted.lower(*args, **kwargs).compile().as_text())
+
+
+_OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+
+
+def _operand_name(text: str) -> str:
+    """The instruction an operand refers to: ``%x``, ``x`` or ``f32[10]{0} %x`` -> ``x``."""
+    return text.split()[-1].lstrip("%") if text.strip() else ""
+
+
+def _split_combined(op_name: str, n: int) -> list[str] | None:
+    """The ``n`` op names of a combined collective's ``prefix/(a:b:...)`` op name, or None.
+
+    XLA's all-reduce combiner (jaxlib 0.10.2) names the instruction it makes
+    from ``n`` collectives ``<common prefix>(<rest 1>:<rest 2>:...)``, one part
+    per operand in operand order.
+    """
+    if n < 2 or not op_name.endswith(")"):
+        return None
+    depth = 0
+    for start in range(len(op_name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(op_name[start], 0)
+        if depth == 0:
+            break
+    if depth or (start > 0 and op_name[start - 1] != "/"):  # unbalanced, or "jit(f)": a name, not a group
+        return None
+    parts, depth, cur = [], 0, []
+    for ch in op_name[start + 1: -1]:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ":" and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [op_name[:start] + p for p in parts] if len(parts) == n else None
+
+
+def _collectives_of_hlo(text: str) -> list[Collective]:
+    """The collectives of an optimized HLO module's text (see :func:`audit_collectives`)."""
     types: dict[str, str] = {}
     found = []
+    dones: dict[str, str] = {}  # start instruction -> its -done
+    gtes: dict[tuple[str, int], str] = {}  # (tuple instruction, index) -> op name of the get-tuple-element
     for name, type_text, opcode, operands, attrs in _parse_hlo(text):
         types[name] = type_text
+        op_name = m.group(1) if (m := _OP_NAME_RE.search(attrs)) else ""
+        if opcode.endswith("-done") and operands:
+            dones[_operand_name(operands[0])] = name
+        elif opcode == "get-tuple-element" and operands and op_name and (im := re.search(r"\bindex=(\d+)", attrs)):
+            gtes[(_operand_name(operands[0]), int(im.group(1)))] = op_name
         op = opcode.removesuffix("-start")
         if op in COLLECTIVE_OPS:
-            found.append((name, op, operands, _replica_groups(attrs)))
+            found.append((name, op, operands, _replica_groups(attrs), op_name))
     out = []
-    for name, op, operands, groups in found:
-        arrays = []
+    for name, op, operands, groups, op_name in found:
+        per_operand = []
         for o in operands:
             if o.startswith("%") or re.match(r"^[\w.\-]+$", o):
-                arrays.extend(_arrays(types.get(o.lstrip("%"), "")))
+                per_operand.append(_arrays(types.get(o.lstrip("%"), "")))
             else:  # operand printed with its type, e.g. "f32[10]{0} %x"
-                arrays.extend(_arrays(o.split("%")[0]))
-        out.append(Collective(op, tuple(arrays), _nbytes(arrays), name, groups))
+                per_operand.append(_arrays(o.split("%")[0]))
+        names = _operand_scopes(name, op_name, len(operands), dones, gtes)
+        arrays = [a for part in per_operand for a in part]
+        scopes = tuple(s for part, s in zip(per_operand, names) for _ in part)
+        out.append(Collective(op, tuple(arrays), _nbytes(arrays), name, groups, scopes))
     return out
+
+
+def _operand_scopes(name: str, op_name: str, n: int, dones: dict, gtes: dict) -> list[str]:
+    """The op name of each of a collective's ``n`` operands.
+
+    A collective with one operand carries its own.  For several (XLA combined
+    collectives into one instruction, or one JAX collective over several
+    arrays), operand ``i`` takes the op name of the ``get-tuple-element`` of
+    index ``i`` of the result (of the ``-done`` for an async collective): the
+    instruction that replaced the original collective keeps its metadata, in
+    XLA versions whose combiners drop or merge the combined op name too; then
+    part ``i`` of a combined ``prefix/(a:b:...)`` op name; then the
+    instruction's own op name.
+    """
+    if n == 1:
+        return [op_name]
+    result = dones.get(name, name)
+    parts = _split_combined(op_name, n) or [op_name] * n
+    return [gtes.get((result, i)) or parts[i] for i in range(n)]
 
 
 def _replica_groups(attrs: str) -> tuple | None:
@@ -293,3 +464,78 @@ def _replica_groups(attrs: str) -> tuple | None:
             ids = ids.transpose([int(v) for v in m.group(3).split(",")])
         return tuple(tuple(int(v) for v in row) for row in ids.reshape(shape[0], -1))
     return None
+
+
+def bytes_by_issuer(ops: list[Collective]) -> dict[str, int]:
+    """Split the audited bytes into what compjax sent and what others sent.
+
+    Args:
+      ops: the output of :func:`audit_collectives`.
+
+    Returns:
+      ``{"compjax": bytes, "compjax-uncounted": bytes, "other": bytes}``:
+      operand bytes of the compressors' collectives (what :func:`payload_bytes`
+      counts), of compjax's uncounted ones (fast-axis gradient mean, model state
+      averaged by the step builders) and of every other collective (the
+      model's, XLA's SPMD partitioner's), per device.  Operands of a mixed
+      collective go to their own issuer.
+
+    Examples:
+      >>> ops = [Collective("all-reduce", (("s32", ()),), 4, "pmax", None, ("jit(f)/compjax/vote/pmax",)),
+      ...        Collective("all-reduce", (("f32", (10,)),), 40, "ar", None, ("jit(f)/transpose(jvp(dot))",))]
+      >>> bytes_by_issuer(ops)
+      {'compjax': 4, 'compjax-uncounted': 0, 'other': 40}
+    """
+    out = {"compjax": 0, "compjax-uncounted": 0, "other": 0}
+    for op in ops:
+        for (d, shape), who in zip(op.operands, op.issuers):
+            out[who or "other"] += _array_bytes(d, shape)
+    return out
+
+
+def format_collectives(ops: list[Collective]) -> str:
+    """A readable table of audited collectives: one line each, then the bytes by issuer.
+
+    Each line gives the opcode, the operands (HLO dtype and shape), the bytes
+    this device puts in, the issuer (``compjax``, ``not compjax`` or ``mixed``)
+    and the op name of the first operand.  The last line adds up the bytes
+    issued by compjax and by others, and lists the other collectives' opcodes:
+    an auto-sharded ``jax.jit`` step whose compressor has no worker axis reads
+    ``not issued by compjax: ... all-reduce``: the dense gradient all-reduce XLA
+    inserted, while compjax sent nothing.
+
+    Args:
+      ops: the output of :func:`audit_collectives`.
+
+    Returns:
+      A string of ``len(ops) + 1`` lines.
+
+    Examples:
+      >>> ops = [Collective("all-reduce", (("s32", ()),), 4, "pmax", None, ("jit(f)/compjax/vote/pmax",)),
+      ...        Collective("all-reduce", (("f32", (10,)),), 40, "ar", None, ("jit(f)/transpose(jvp(dot))",))]
+      >>> print(format_collectives(ops))
+      all-reduce  s32[]     4 B  compjax      jit(f)/compjax/vote/pmax
+      all-reduce  f32[10]  40 B  not compjax  jit(f)/transpose(jvp(dot))
+      compjax: 4 B in 1 collective; not issued by compjax: 40 B in 1 collective (all-reduce)
+    """
+    label = {"compjax": "compjax", "compjax-uncounted": "compjax, uncounted", "mixed": "mixed", None: "not compjax"}
+    rows = [
+        (op.op, ",".join(f"{d}[{','.join(map(str, s))}]" for d, s in op.operands), f"{op.bytes:,} B",
+         label[op.issuer], (op.scopes or ("",))[0])
+        for op in ops
+    ]
+    widths = [max([len(r[i]) for r in rows] or [0]) for i in range(4)]
+    lines = ["  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].ljust(widths[3]),
+                        r[4]]).rstrip() for r in rows]
+    split = bytes_by_issuer(ops)
+    ours = [op for op in ops if "compjax" in op.issuers]
+    others = [op for op in ops if None in op.issuers]
+    plural = lambda k: f"{k} collective" + ("" if k == 1 else "s")
+    kinds = sorted({op.op for op in others})
+    uncounted = [op for op in ops if "compjax-uncounted" in op.issuers]
+    lines.append(f"compjax: {split['compjax']:,} B in {plural(len(ours))}; "
+                 + (f"compjax, not in payload_bytes: {split['compjax-uncounted']:,} B in {plural(len(uncounted))}; "
+                    if uncounted else "")
+                 + f"not issued by compjax: {split['other']:,} B in {plural(len(others))}"
+                 + (f" ({', '.join(kinds)})" if kinds else ""))
+    return "\n".join(lines)

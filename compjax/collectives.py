@@ -11,6 +11,21 @@ result is the worker's own payload decoded; ``payload_bytes`` still reports
 the size of the payload the worker would send, so single-process simulations
 can account bytes.
 
+Every collective is issued inside ``jax.named_scope("compjax/<what>")``
+(:data:`SCOPE`; ``<what>`` is ``vote``, ``dense_mean``, ``sparse_mean``,
+``gathered_mean`` or ``max``).  The scope ends up in the compiled program's
+op metadata (``metadata={op_name=".../compjax/dense_mean/psum"}``), where
+:func:`compjax.audit_collectives` reads it to tell compjax's collectives from
+those a model or XLA's SPMD partitioner issued.
+
+All-gathers send floats narrower than 32 bits (bfloat16, float16, float8) as
+unsigned integers of the same width (``jax.lax.bitcast_convert_type``, no data
+moves): XLA:CPU widens a bfloat16 all-gather to float32 and a float8 one to
+float16, an integer all-gather it sends as it is, so the wire carries exactly
+``itemsize`` bytes per value on every backend.  All-reduces must add or
+compare values and keep their float dtype; :func:`reduce_bytes` counts what
+XLA:CPU makes of them.
+
 The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 ``jax.vmap(..., axis_name=...)``.
 """
@@ -28,6 +43,8 @@ from compjax.codecs.bucket import make_bucket
 AxisName = Hashable | None
 
 __all__ = [
+    "SCOPE",
+    "UNCOUNTED_SCOPE",
     "any_over_workers",
     "cond_unified",
     "dense_mean",
@@ -40,27 +57,100 @@ __all__ = [
     "reduce_bytes",
     "sparse_mean",
     "sparse_mean_segments",
+    "uncounted",
     "vary",
     "varying_axes",
     "worker_index",
 ]
 
 
+#: Outermost ``jax.named_scope`` of every collective this module issues: the op
+#: metadata of the compiled collectives reads ``.../compjax/<what>/<primitive>``.
+SCOPE = "compjax"
+
+
+#: ``jax.named_scope`` around the collectives compjax issues that no compressor counts in its
+#: ``payload_bytes``: the dense gradient mean over a 2-D mesh's fast axis and model state averaged over
+#: workers by the step builders (:mod:`compjax.parallel`, :mod:`compjax.workers`).
+UNCOUNTED_SCOPE = "compjax_uncounted"
+
+
+def uncounted():
+    """``jax.named_scope`` marking the collectives traced inside it as compjax's but not a compressor's payload.
+
+    :func:`compjax.audit_collectives` reports them with ``issuer ==
+    "compjax-uncounted"``, apart from the payload (``"compjax"``) that
+    :func:`compjax.payload_bytes` counts.
+    """
+    return jax.named_scope(UNCOUNTED_SCOPE)
+
+
+def _scope(what: str):
+    """``jax.named_scope("compjax/<what>")``: the name the compiled collective carries in its metadata."""
+    return jax.named_scope(f"{SCOPE}/{what}")
+
+
 def _nbytes(x: jnp.ndarray) -> int:
     return int(x.size) * jnp.dtype(x.dtype).itemsize
 
 
-def reduce_bytes(x: jnp.ndarray) -> int:
-    """Bytes one worker puts into an all-reduce of ``x`` (a Python int, exact at any size).
+def _wire_uint(dtype) -> Any:
+    """The unsigned integer dtype a narrow float travels as in an all-gather (None: sent as it is)."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or 8 * dtype.itemsize != jnp.finfo(dtype).bits:
+        return None
+    return {1: jnp.uint8, 2: jnp.uint16}.get(dtype.itemsize)
 
-    ``x.size * itemsize``, except for bfloat16 on the CPU backend, whose
-    all-reduces XLA:CPU widens to float32 on the wire (the compiled program's
-    all-reduce operand is f32, as :func:`compjax.audit_collectives` shows):
-    4 bytes per element there.  All-gathers keep their dtype.  Without a worker
-    axis nothing is sent and the functions below report the payload's own size.
+
+def _all_gather(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+    """``jax.lax.all_gather(x, axis_name)`` with 8- and 16-bit floats sent bitcast to unsigned integers.
+
+    XLA:CPU widens bfloat16 all-gathers to float32 and float8 ones to float16
+    (twice the bytes on the wire); integers of the same width it sends as they
+    are.  The bitcasts move no data and the result is bit for bit the same.
     """
-    if jnp.dtype(x.dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return int(x.size) * 4
+    wire = _wire_uint(x.dtype)
+    if wire is None:
+        return jax.lax.all_gather(x, axis_name)
+    return jax.lax.bitcast_convert_type(jax.lax.all_gather(jax.lax.bitcast_convert_type(x, wire), axis_name), x.dtype)
+
+
+def reduce_bytes(x: jnp.ndarray) -> int:
+    """Bytes one worker puts into an all-reduce (sum or max) of ``x`` (a Python int, exact at any size).
+
+    ``x.size * itemsize``, except on the CPU backend (``jax.default_backend()``),
+    where XLA:CPU widens narrow floats before reducing them and sends the wide
+    values (the compiled program's all-reduce operand has the wide dtype, as
+    :func:`compjax.audit_collectives` shows): bfloat16 travels as float32 (4
+    bytes per element) and 8-bit floats (checked: float8_e4m3fn, float8_e5m2)
+    as float16 (2 bytes).  float16, float32 and integers travel as they are.
+    Checked for ``psum``, ``pmax`` and ``pmin`` with jaxlib 0.10.2; other
+    backends are taken to reduce every dtype natively.
+
+    All-gathers never widen: this module sends narrow floats through them
+    bitcast to unsigned integers (``x.size * itemsize`` bytes everywhere).
+    Without a worker axis nothing is sent and the functions below report the
+    payload's own size.
+
+    Args:
+      x: the all-reduce operand (an array, tracer or ``jax.ShapeDtypeStruct``).
+
+    Returns:
+      The operand's bytes on the wire, a Python int.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> reduce_bytes(jnp.zeros(10, jnp.float16))
+      20
+      >>> reduce_bytes(jnp.zeros(10, jnp.bfloat16)) == (40 if jax.default_backend() == "cpu" else 20)
+      True
+    """
+    dtype = jnp.dtype(x.dtype)
+    if jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating):
+        if dtype == jnp.bfloat16:
+            return int(x.size) * 4
+        if jnp.finfo(dtype).bits == 8:
+            return int(x.size) * 2
     return _nbytes(x)
 
 
@@ -177,7 +267,9 @@ def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarra
     if axis_name is None:
         return flag, 0
     vote = flag.astype(jnp.int32)
-    return jax.lax.pmax(vote, axis_name) > 0, _nbytes(vote)
+    with _scope("vote"):
+        total = jax.lax.pmax(vote, axis_name)
+    return total > 0, _nbytes(vote)
 
 
 def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:
@@ -197,8 +289,10 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
         return x, _nbytes(x)
     n = jnp.asarray(num_workers(axis_name), x.dtype)
     if prescale:
-        return jax.lax.psum(x / n, axis_name), reduce_bytes(x)
-    return jax.lax.psum(x, axis_name) / n, reduce_bytes(x)
+        x = x / n
+    with _scope("dense_mean"):
+        total = jax.lax.psum(x, axis_name)
+    return (total if prescale else total / n), reduce_bytes(x)
 
 
 def dense_mean_arrays(
@@ -305,8 +399,9 @@ def sparse_mean_segments(
     nbytes = _nbytes(indices) + _nbytes(values)
     n = num_workers(axis_name)
     if axis_name is not None:  # (n, k): worker by worker
-        indices = jax.lax.all_gather(indices, axis_name)
-        values = jax.lax.all_gather(values, axis_name)
+        with _scope("sparse_mean"):
+            indices = _all_gather(indices, axis_name)
+            values = _all_gather(values, axis_name)
     else:
         indices, values = indices[None], values[None]
     if n != 1:  # divide the k n pairs, not the dense buffers: no extra pass over them
@@ -359,7 +454,8 @@ def gathered_mean(
         return [d.astype(jnp.float32) for d in decode(*payload)], nbytes
     n = num_workers(axis_name)
     sent = [i for i, p in enumerate(payload) if p.size]
-    gathered = {i: jax.lax.all_gather(payload[i], axis_name) for i in sent}
+    with _scope("gathered_mean"):
+        gathered = {i: _all_gather(payload[i], axis_name) for i in sent}
 
     def one(w):
         return [
@@ -389,4 +485,5 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
     """
     if axis_name is None:
         return x, _nbytes(x)
-    return jax.lax.pmax(x, axis_name), reduce_bytes(x)
+    with _scope("max"):
+        return jax.lax.pmax(x, axis_name), reduce_bytes(x)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import compjax as cj
-from compjax import parallel
+from compjax import accounting, parallel
 from tests.helpers import AXIS, VOTE
 
 
@@ -67,6 +67,7 @@ def test_payload_bytes_equals_audited_bytes(mesh, name):
     # Only the compressor's collectives (and its non-finite vote), O(1) of them whatever the number of leaves.
     assert 2 <= len(ops) <= 4
     assert sum(op.op == "all-reduce" and op.operands == (("s32", ()),) for op in ops) == 1  # the vote
+    assert all(op.by_compjax for op in ops), [op.scopes for op in ops]  # issued in the compjax/... scope
     assert np.all(np.isfinite(np.asarray(loss)))
 
 
@@ -102,6 +103,8 @@ def test_replicated_params_would_add_a_dense_all_reduce(mesh):
     # but the conv kernels' gradients travel whole through a dense all-reduce.
     operands = [o for op in ops if op.op == "all-reduce" for o in op.operands]
     assert ("f32", (3, 3, 8, 16)) in operands and ("f32", (3, 3, 1, 8)) in operands
+    # ... and the audit says who inserted them: not compjax.
+    assert all(op.issuer is None for op in ops) and accounting.bytes_by_issuer(ops)["compjax"] == 0
 
 
 def test_payload_bytes_walks_chained_state():
