@@ -6,7 +6,14 @@ their payloads, exact byte accounting and data-parallel helpers.
 
 from compjax import algorithms, bytecount, codecs, collectives, netmodel, parallel
 from compjax.accounting import Collective, audit_collectives, payload_bytes
-from compjax.algorithms import DelayedAveragingState, DilocoState, delayed_averaging, diloco, federated
+from compjax.algorithms import (
+    DelayedAveragingState,
+    DilocoState,
+    delayed_averaging,
+    diloco,
+    diloco_global_params,
+    federated,
+)
 from compjax.compressors import (
     ApplyIfFiniteState,
     CastState,
@@ -68,6 +75,7 @@ __all__ = [
     "dgc",
     "dgc_warmup_schedule",
     "diloco",
+    "diloco_global_params",
     "e3m0",
     "federated",
     "identity",

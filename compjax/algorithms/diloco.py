@@ -338,3 +338,120 @@ def diloco(
         return jax.tree.unflatten(jax.tree.structure(updates), u_leaves), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find_diloco_state(opt_state: Any) -> DilocoState:
+    """The one :class:`DilocoState` inside an optax state (chained, injected, wrapped), or ValueError."""
+    is_state = lambda x: isinstance(x, DilocoState)
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    if len(found) != 1:
+        raise ValueError(
+            f"opt_state must hold exactly one DilocoState (the state of cj.diloco, alone or inside optax.chain, "
+            f"optax.inject_hyperparams or another wrapper), found {len(found)}"
+        )
+    return found[0]
+
+
+def diloco_global_params(opt_state: Any, params: Any) -> Any:
+    r"""The global model of a DiLoCo or Streaming DiLoCo run: the parameters to evaluate.
+
+    Between synchronizations each worker trains its own local parameters
+    ``θ`` (what ``params`` holds and what the inner steps move); the model the
+    method produces is the global one, ``θ^g``, the outer optimizer's iterate
+    (Douillard et al. 2023, Algorithm 1: the outer parameters ``θ^(t)``).
+    :func:`diloco` keeps it in its state, per fragment (``DilocoState.anchor``);
+    this function reassembles it in the shape of ``params``:
+
+    * every floating-point leaf that DiLoCo synchronizes takes its fragment's
+      global value as of that fragment's last synchronization, cast to the
+      leaf's dtype (the state holds it in float32, or wider);
+    * every other leaf (integer and boolean leaves, empty leaves: DiLoCo never
+      synchronizes them) is the one in ``params``.
+
+    Before a fragment's first synchronization its global value is the
+    initialization.  Right after a synchronization of plain DiLoCo
+    (``overlap == 0``) the workers hold the global values too (up to the float32
+    rounding of ``params + updates``); between synchronizations they do not,
+    and neither they nor their mean are the global model.  With Streaming
+    DiLoCo (Douillard et al. 2025) fragments synchronize at different steps, so
+    the global model joins each fragment's last global value, whatever step it
+    was taken at; with ``overlap > 0`` a fragment whose outer gradient is
+    pending (taken, not yet exchanged and merged) still contributes its last
+    *merged* global value: the pending outer step needs the all-reduce that
+    has not happened yet, and no worker can compute it alone.
+
+    The result is computed from the state alone (no collective), under
+    ``jax.shard_map``, ``jax.jit`` or eagerly; every worker holds the same
+    global model (each outer step is taken on the averaged outer gradient,
+    which every worker receives).
+    It holds new buffers (nothing aliases ``opt_state`` or ``params``), so it
+    stays valid after the state is donated to the next step.
+
+    Args:
+      opt_state: the optimizer state holding one :class:`DilocoState`: the state
+        of :func:`diloco` itself or of any optax combinator around it
+        (``optax.chain``, ``optax.inject_hyperparams``, ``optax.apply_if_finite``,
+        ...).  Either one worker's state or the worker-stacked layout (a leading
+        worker axis of ``n`` on every leaf, :mod:`compjax.parallel`).
+      params: the parameters the state was built for, in the same layout as
+        ``opt_state`` (one worker's, or worker-stacked with the same ``n``);
+        e.g. the workers' local parameters.
+
+    Returns:
+      A tree like ``params``, every leaf of the same shape and dtype: the
+      global model (worker-stacked if ``params`` is: each worker's slice is
+      its copy of the global model).
+
+    Raises:
+      ValueError: ``opt_state`` holds no :class:`DilocoState` or more than one
+        (e.g. ``optax.multi_transform`` over two ``diloco``: pass each
+        ``DilocoState`` with the parameters it was built for); ``params`` does not match the state (not as many
+        floating-point leaves as the state's global copy, or a leaf's shape
+        differs, e.g. one worker's params with a worker-stacked state).
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of
+      Language Models", 2023 (Algorithm 1).  Douillard et al., "Streaming
+      DiLoCo with overlapping communication: Towards a Distributed Free
+      Lunch", 2025 (Algorithm 2).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, compjax as cj
+      >>> tx = optax.chain(cj.diloco(optax.sgd(0.1), sync_every=2, axis_name=None))
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> for _ in range(3):   # two inner steps and a sync, then one more inner step
+      ...     updates, opt_state = tx.update({"w": jnp.ones(2)}, opt_state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> [round(float(x), 4) for x in params["w"]]   # the worker's local parameters
+      [0.634, 0.634]
+      >>> g = cj.diloco_global_params(opt_state, params)
+      >>> [round(float(x), 4) for x in g["w"]]   # the global model, as of the sync after step 2
+      [0.734, 0.734]
+    """
+    state = _find_diloco_state(opt_state)
+    leaves, treedef = jax.tree.flatten(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    n_float = sum(_is_float_leaf(x) for x in leaves)
+    n_global = sum(len(a) for a in state.anchor)
+    if n_float != n_global or not state.anchor:
+        raise ValueError(
+            f"params must be the parameters opt_state was built for: params has {n_float} floating-point "
+            f"leaves, the DilocoState's global copy {n_global}"
+        )
+    out = [jnp.array(x, copy=True) for x in leaves]
+    for idx, anchor in zip(fragment_assignment(params, len(state.anchor)), state.anchor):
+        if len(idx) != len(anchor):
+            raise ValueError(
+                f"params must be the parameters opt_state was built for: their fragments hold "
+                f"{len(idx)} and {len(anchor)} leaves"
+            )
+        for i, a in zip(idx, anchor):
+            want = jnp.shape(leaves[i])
+            if jnp.shape(a) != want:
+                raise ValueError(
+                    f"params{paths[i]} has shape {want}, the DilocoState's global copy {jnp.shape(a)}: params must "
+                    "be the parameters opt_state was built for, in the same layout (one worker's, or worker-stacked)"
+                )
+            out[i] = jnp.array(a, dtype=out[i].dtype, copy=True)
+    return jax.tree.unflatten(treedef, out)

@@ -10,7 +10,9 @@ windows (local gradients: JAX adds no all-reduce of its own), then calls
 doing: ``make_tx("data")`` may be a compressor chain (synchronous data
 parallel, workers stay equal) or a method that lets workers drift apart
 between synchronisations (DiLoCo), which is why validation loss is reported
-both for worker 0's parameters and for the mean of the workers' parameters.
+both for worker 0's parameters and for the mean of the workers' parameters,
+and, when the state holds a ``cj.DilocoState``, for DiLoCo's global model
+(``cj.diloco_global_params``): the model DiLoCo trains, the one to evaluate.
 
 Bytes: each step, ``cj.payload_bytes(opt_state)`` (worker 0's counter: the
 bytes this worker put into collectives in that step) is recorded; a transform
@@ -58,6 +60,12 @@ def _payload(opt_state) -> int | None:
         return int(np.asarray(cj.payload_bytes(opt_state)).reshape(-1)[0])
     except ValueError:
         return None
+
+
+def holds_diloco_state(opt_state) -> bool:
+    """Whether ``opt_state`` holds a ``cj.DilocoState`` (alone or inside optax combinators)."""
+    is_state = lambda x: isinstance(x, cj.DilocoState)
+    return any(is_state(x) for x in jax.tree.leaves(opt_state, is_leaf=is_state))
 
 
 def make_evaluator(loss_fn: Callable) -> Callable:
@@ -133,6 +141,11 @@ def train(
       - ``val_loss_worker0``, ``val_loss_mean``: validation cross-entropy in
         nats per character of worker 0's parameters and of the elementwise
         mean of all workers' parameters, at those steps.
+      - ``val_loss_global``: when the optimizer state holds a
+        ``cj.DilocoState`` (DiLoCo, Streaming DiLoCo), the validation loss of
+        the global model, ``cj.diloco_global_params(opt_state, params)`` (the
+        outer parameters as of each fragment's last synchronization; at step 0
+        the initialization), at those steps; None for other transforms.
       - ``param_spread``: at those steps, the largest
         ``|params[w] - params[0]|`` over workers and entries (0.0 when the
         workers are identical).
@@ -174,6 +187,7 @@ def train(
     p = parallel.replicate(params, mesh, AXIS)
     s = parallel.init_worker_state(tx, params, mesh, AXIS)
     payload_counted = _payload(s) is not None
+    diloco = holds_diloco_state(s)
     step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, donate=True)
     evaluate = make_evaluator(loss_fn)
 
@@ -182,7 +196,8 @@ def train(
               "num_params": num_params, "vocab": vocab.size, "backend": jax.default_backend(),
               "devices": [int(d.id) for d in mesh.devices.flat]}
     res = {"config": config, "train_loss": [], "payload_bytes": [], "payload_counted": payload_counted,
-           "eval_step": [], "val_loss_worker0": [], "val_loss_mean": [], "param_spread": [], "step_seconds": []}
+           "eval_step": [], "val_loss_worker0": [], "val_loss_mean": [], "val_loss_global": [] if diloco else None,
+           "param_spread": [], "step_seconds": []}
 
     def validate(done: int) -> None:
         host = jax.device_get(p)  # (workers, ...) per leaf
@@ -193,9 +208,13 @@ def train(
         res["val_loss_worker0"].append(float(evaluate(first, val)))
         res["val_loss_mean"].append(float(evaluate(mean, val)))
         res["param_spread"].append(spread)
+        if diloco:  # every worker holds the same global model: worker 0's copy
+            model_g = jax.device_get(jax.tree.map(lambda x: x[0], cj.diloco_global_params(s, p)))
+            res["val_loss_global"].append(float(evaluate(model_g, val)))
         if log is not None:
             train_loss = f"{np.mean(res['train_loss'][-eval_every:]):.4f}" if res["train_loss"] else "n/a"
-            log(f"step {done}/{steps}: train {train_loss} | val worker0 {res['val_loss_worker0'][-1]:.4f} "
+            glob_txt = f" global {res['val_loss_global'][-1]:.4f}" if diloco else ""
+            log(f"step {done}/{steps}: train {train_loss} | val{glob_txt} worker0 {res['val_loss_worker0'][-1]:.4f} "
                 f"mean {res['val_loss_mean'][-1]:.4f} | spread {spread:.3g} | "
                 f"{res['payload_bytes'][-1] if res['payload_bytes'] else 0:,} B/step/worker")
 

@@ -17,9 +17,11 @@ Rows (every one the same model, data, steps, seed and inner learning-rate schedu
 * **DiLoCo, Muon inner**: H = 50, ``optax.contrib.muon`` as the inner optimizer (lr 0.02 for the matrices,
   AdamW's schedule for the rest), and **data-parallel with Muon**, its synchronous reference.
 
-Reported: final validation loss (nats per character) of the workers' mean parameters and of worker 0's,
-the total bytes one worker put into collectives (``cj.payload_bytes`` read every step, so what was
-really sent), the peak bytes in any one step, and the bytes ratio vs data-parallel.  Writes
+Reported: final validation loss (nats per character) of the global model (the DiLoCo rows: the outer
+parameters, ``cj.diloco_global_params``; the data-parallel rows: the parameters every worker holds), of the
+workers' mean parameters and of worker 0's, the total bytes one worker put into collectives
+(``cj.payload_bytes`` read every step, so what was really sent), the peak bytes in any one step, and the
+bytes ratio vs data-parallel.  Writes
 ``<out>/diloco_tiny_shakespeare.{md,json,png}`` (the JSON with the command, the full config and
 provenance) and one record per run under ``<out>/diloco/`` (``--report-only`` rebuilds the table from
 them), where ``<out>`` is ``runs/reproduce`` (git-ignored), with ``--publish``
@@ -124,8 +126,24 @@ def run(row: str, config) -> dict:
 REFERENCE = {"diloco-muon": "data-parallel-muon", "data-parallel-muon": "data-parallel-muon"}
 
 
+def global_loss(r: dict) -> list[float]:
+    """A run's validation losses of its global model, at its ``eval_step``s.
+
+    DiLoCo rows: ``val_loss_global`` (the outer parameters, ``cj.diloco_global_params``); rows without a
+    DiLoCo state (``val_loss_global`` None, or absent from a data-parallel row's older record: workers that all
+    hold the same parameters): the workers' mean.  A DiLoCo row's record written before ``val_loss_global``
+    existed stops the script (run that row again).
+    """
+    if r.get("val_loss_global") is not None:
+        return r["val_loss_global"]
+    if "val_loss_global" not in r and not str(r.get("row", "")).startswith("data-parallel"):
+        raise SystemExit(f"{PROG}: the record of row {r.get('row')!r} has no val_loss_global (written before the "
+                         "global model was evaluated): run that row again")
+    return r["val_loss_mean"]
+
+
 def summarize(results: dict[str, dict], config) -> list[dict]:
-    """One dict per row: final losses, the loss vs the row's data-parallel reference (%), bytes and their ratio."""
+    """One dict per row: final losses, the global model's vs the row's reference (%), bytes and their ratio."""
     label = labels(config)
     rows = []
     for row in ROWS:
@@ -133,12 +151,14 @@ def summarize(results: dict[str, dict], config) -> list[dict]:
             continue
         r = results[row]
         ref = results.get(REFERENCE.get(row, "data-parallel"))
-        ref_loss = ref["val_loss_mean"][-1] if ref else None
+        ref_loss = global_loss(ref)[-1] if ref else None
+        loss = global_loss(r)[-1]
         ref_bytes = ref["total_bytes"] if ref else None
         rows.append({
             "row": row, "label": label[row], "reference": REFERENCE.get(row, "data-parallel"),
-            "val_loss_mean": r["val_loss_mean"][-1], "val_loss_worker0": r["val_loss_worker0"][-1],
-            "vs_dp_pct": 100 * (r["val_loss_mean"][-1] / ref_loss - 1) if ref_loss else None,
+            "val_loss_global": loss, "val_loss_mean": r["val_loss_mean"][-1],
+            "val_loss_worker0": r["val_loss_worker0"][-1],
+            "vs_dp_pct": 100 * (loss / ref_loss - 1) if ref_loss else None,
             "total_bytes": r["total_bytes"], "peak_bytes": r["peak_bytes"],
             "bytes_ratio": ref_bytes / r["total_bytes"] if ref_bytes and r["total_bytes"] else None,
             "syncing_steps": sum(1 for b in r["payload_bytes"] if b), "steps": r["config"]["steps"],
@@ -152,15 +172,19 @@ def table(rows: list[dict], config) -> str:
     head = (f"Tiny Shakespeare, character-level transformer ({t.model_config} config), "
             f"{t.workers} workers × {t.batch_per_worker} windows of {t.seq_len} "
             f"characters, {t.steps} steps, AdamW lr {lr:g} (warm-up {config.warmup_steps}, cosine to {lr / 10:g}), "
-            f"weight decay {config.weight_decay:g}. Validation loss in nats per character on the last 10% of the text; bytes are "
-            f"what one worker put into collectives (`cj.payload_bytes`, read every step).\n\n")
-    lines = [("| run | val loss (mean of workers) | val loss (worker 0) | vs data-parallel (same inner optimizer) | "
-              "total bytes/worker | fewer bytes than DP | peak bytes in one step | steps with a collective | wall (s) |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+            f"weight decay {config.weight_decay:g}. Validation loss in nats per character on the last 10% of the text, of the "
+            f"global model (DiLoCo: the outer parameters, `cj.diloco_global_params`; data-parallel: every worker's), "
+            f"the workers' mean and worker 0; bytes are what one worker put into collectives (`cj.payload_bytes`, read "
+            f"every step).\n\n")
+    lines = [("| run | val loss (global model) | val loss (mean of workers) | val loss (worker 0) | "
+              "vs data-parallel (global model, same inner optimizer) | total bytes/worker | fewer bytes than DP | "
+              "peak bytes in one step | steps with a collective | wall (s) |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['bytes_ratio']:,.0f}×" if r["bytes_ratio"] else "—"
         vs = f"{r['vs_dp_pct']:+.2f}%" if r["vs_dp_pct"] is not None else "—"
-        lines.append(f"| {r['label']} | {r['val_loss_mean']:.4f} | {r['val_loss_worker0']:.4f} | {vs} | "
+        lines.append(f"| {r['label']} | {r['val_loss_global']:.4f} | {r['val_loss_mean']:.4f} | "
+                     f"{r['val_loss_worker0']:.4f} | {vs} | "
                      f"{r['total_bytes']:,} | {ratio} | {r['peak_bytes']:,} | {r['syncing_steps']} | "
                      f"{r['wall_s']:.0f} |")
     return head + "\n".join(lines) + "\n"
@@ -179,11 +203,12 @@ def plot(results: dict[str, dict], path: Path, config) -> None:
         if row not in results:
             continue
         r = results[row]
-        a.plot(r["eval_step"], r["val_loss_mean"], marker="o", label=label[row])
+        loss = global_loss(r)
+        a.plot(r["eval_step"], loss, marker="o", label=label[row])
         cum = np.cumsum([0] + r["payload_bytes"])
-        b.plot([max(cum[s], 1) for s in r["eval_step"]], r["val_loss_mean"], marker="o", label=label[row])
+        b.plot([max(cum[s], 1) for s in r["eval_step"]], loss, marker="o", label=label[row])
     a.set_xlabel("step")
-    a.set_ylabel("validation loss (nats/char, mean of workers)")
+    a.set_ylabel("validation loss (nats/char, global model)")
     b.set_xscale("log")
     b.set_xlabel("bytes sent per worker so far")
     a.legend(fontsize=7)
