@@ -4,8 +4,24 @@ Gradient compressors as optax transformations, the collectives that carry
 their payloads, exact byte accounting and data-parallel helpers.
 """
 
-from compjax import algorithms, bytecount, codecs, collectives, netmodel, parallel
-from compjax.accounting import Collective, audit_collectives, payload_bytes
+from compjax import (
+    accounting,
+    algorithms,
+    bytecount,
+    codecs,
+    collectives,
+    netmodel,
+    parallel,
+    replicas,
+    workers,
+)
+from compjax.accounting import (
+    Collective,
+    audit_collectives,
+    bytes_by_issuer,
+    format_collectives,
+    payload_bytes,
+)
 from compjax.algorithms import (
     DelayedAveragingState,
     DilocoState,
@@ -64,10 +80,12 @@ __all__ = [
     "TopkState",
     "TwobitState",
     "__version__",
+    "accounting",
     "algorithms",
     "apply_if_finite",
     "audit_collectives",
     "bytecount",
+    "bytes_by_issuer",
     "cast",
     "codecs",
     "collectives",
@@ -78,6 +96,7 @@ __all__ = [
     "diloco_global_params",
     "e3m0",
     "federated",
+    "format_collectives",
     "identity",
     "netmodel",
     "onebit",
@@ -86,8 +105,10 @@ __all__ = [
     "powersgd",
     "qsgd",
     "randomk",
+    "replicas",
     "signsgd",
     "terngrad",
     "topk",
     "twobit",
+    "workers",
 ]

@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from compjax import collectives
+from compjax import collectives, workers
 
 __all__ = [
     "data_parallel_step",
@@ -54,11 +54,17 @@ __all__ = [
     "replicate",
     "shard_batch",
     "unreplicate",
+    "worker_step",
 ]
 
 
 def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
     """A 1-D mesh of ``num_workers`` devices (default: all) with axis ``axis_name``.
+
+    The axis is of type ``Auto``: arrays the data-parallel steps return (worker-stacked,
+    sharded over the axis) can be indexed and reduced on the host (``loss[0]``,
+    ``metrics.compute()``), which JAX's default ``Explicit`` axes refuse without an
+    ``out_sharding``.
 
     Raises:
       ValueError: ``num_workers`` < 1 or more than the available devices.
@@ -67,7 +73,9 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
     n = n_dev if num_workers is None else int(num_workers)
     if not 1 <= n <= n_dev:
         raise ValueError(f"num_workers must be in [1, {n_dev}] (the available devices), got {num_workers}")
-    return jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n])
+    # Auto axes (not JAX's default Explicit): the worker-stacked arrays a step returns then read on the host
+    # like any array (``loss[0]``, ``int(state.step[0])``, flax metrics' reset), with no out_sharding needed.
+    return jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
 
 
 def make_2d_mesh(slow: int, fast: int, *, slow_axis: str = "data", fast_axis: str = "fast") -> Mesh:
@@ -152,13 +160,13 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
 def _stack_copies(x: Any, mesh: Mesh, axis_name: str, fast_axis: str | None = None) -> jax.Array:
     """``n`` copies of ``x`` stacked on a new leading axis, in a new buffer, sharded over the worker axes.
 
-    The spec names every dimension (``P(axis_name, None, ...)``), as jitted
-    steps return their outputs: the same spec on the first and later calls, so
-    the step's second call does not compile again.
+    The spec names the worker axes only (``P(axis_name)``), as the step
+    builders return their outputs (``out_shardings``): the same sharding on the
+    first and later calls, so the step's second call does not compile again.
     """
     n, axes = _worker_axes(mesh, axis_name, fast_axis)
     x = jnp.asarray(x) if jax.process_count() == 1 else np.asarray(x)
-    sharding = NamedSharding(mesh, P(axes, *(None,) * x.ndim))
+    sharding = NamedSharding(mesh, P(axes))
     stacked = jnp.broadcast_to(x[None], (n, *x.shape)) if jax.process_count() == 1 else \
         np.broadcast_to(x[None], (n, *x.shape))
     return _put(stacked, sharding)
@@ -227,14 +235,16 @@ def init_worker_state(
 
 
 def data_parallel_step(
-    loss_fn: Callable[[Any, Any], jnp.ndarray],
+    loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
     axis_name: str = "data",
     fast_axis: str | None = None,
+    has_aux: bool = False,
+    rng: bool = False,
     donate: bool = False,
-) -> Callable[[Any, Any, Any], tuple[Any, Any, jnp.ndarray]]:
+) -> Callable[..., tuple]:
     """Build a jitted data-parallel train step under ``jax.shard_map``.
 
     Each worker computes ``loss_fn(params, local_batch)`` and its gradient with
@@ -251,22 +261,41 @@ def data_parallel_step(
     parameters.  With equal local batches this equals a 1-D run over the slow
     axis alone whose workers each take their row's whole batch.
 
+    A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
+    is :func:`worker_step` over it.
+
     Args:
-      loss_fn: ``(params, batch) -> scalar loss`` for one worker's batch.
+      loss_fn: ``(params, batch) -> scalar loss`` for one worker's batch;
+        ``-> (loss, aux)`` with ``has_aux``; ``(params, batch, key)`` with ``rng``.
       tx: an optax transformation whose compressor uses ``axis_name``.
       mesh: mesh with axis ``axis_name`` (n workers), or a 2-D mesh.
       axis_name: the data axis (the slow axis of a 2-D mesh).
       fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
         mesh.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
+        worker's ``aux`` too (e.g. logits or an accuracy).
+      rng: the step takes a PRNG key (typed or raw, one for all workers) and
+        passes ``loss_fn`` this worker's ``jax.random.fold_in(key, i)``
+        (``i`` the worker index over all worker axes): different draws on
+        every worker, the same on every run.
       donate: donate the params and state buffers to the step.
 
     Returns:
-      ``step(params, opt_state, batch) -> (params, opt_state, loss)``; params and
-      opt_state worker-stacked (:func:`replicate`, :func:`init_worker_state`),
-      batch sharded along its leading axis (:func:`shard_batch`), loss of shape
-      ``(n,)`` (each worker's local loss; ``n = slow x fast`` on a 2-D mesh).
+      ``step(params, opt_state, batch[, key]) -> (params, opt_state, loss[, aux])``;
+      params and opt_state worker-stacked (:func:`replicate`,
+      :func:`init_worker_state`), batch sharded along its leading axis
+      (:func:`shard_batch`), loss of shape ``(n,)`` (each worker's local loss;
+      ``n = slow x fast`` on a 2-D mesh), aux each worker's with a leading
+      axis of n.
+
+    Raises:
+      ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``.
     """
-    spec = P(_worker_axes(mesh, axis_name, fast_axis)[1])
+    _check_axis(mesh, axis_name)
+    if fast_axis is not None:
+        _check_axis(mesh, fast_axis)
+    axes = _worker_axes(mesh, axis_name, fast_axis)[1]
+    spec = P(axes)
 
     def local(x):
         return x[0]
@@ -274,17 +303,35 @@ def data_parallel_step(
     def stack(x):
         return x[None]
 
-    def body(params, opt_state, batch):
+    def body(params, opt_state, batch, *key):
         params, opt_state = jax.tree.map(local, (params, opt_state))
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        args = (batch, workers.fold_worker(key[0], axes)) if rng else (batch,)
+        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, *args)
+        loss, aux = out if has_aux else (out, None)
         if fast_axis is not None:
             grads = _fast_mean(grads, fast_axis)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return jax.tree.map(stack, (params, opt_state)) + (loss[None],)
+        outs = (params, opt_state, loss) + ((aux,) if has_aux else ())
+        return jax.tree.map(stack, outs)
 
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec))
-    return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+    n_out = 4 if has_aux else 3
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec) + ((P(),) if rng else ()),
+                            out_specs=(spec,) * n_out)
+    # One sharding for every output, the one replicate() and shard_batch() place: the second call hits the cache.
+    jitted = jax.jit(sharded, donate_argnums=(0, 1) if donate else (), out_shardings=NamedSharding(mesh, spec))
+    if not rng:
+        return jitted
+
+    def step(params, opt_state, batch, key):
+        if not all(workers.is_key(k) for k in jax.tree.leaves(key)) or not jax.tree.leaves(key):
+            raise ValueError(f"key must be a PRNG key (jax.random.key(seed) or a raw uint32[2] key), got {key!r}")
+        return jitted(params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
+
+    step.lower = lambda params, opt_state, batch, key: jitted.lower(
+        params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
+    step.jitted = jitted
+    return step
 
 
 def _fast_mean(grads: Any, fast_axis: str) -> Any:
@@ -292,7 +339,8 @@ def _fast_mean(grads: Any, fast_axis: str) -> Any:
     leaves, treedef = jax.tree.flatten(grads)
     idx = [i for i, g in enumerate(leaves)
            if jnp.issubdtype(jnp.result_type(g), jnp.floating) and jnp.size(g) > 0]
-    means, _ = collectives.dense_mean_arrays([leaves[i] for i in idx], fast_axis)
+    with collectives.uncounted():  # the host's own dense mean: no compressor's payload
+        means, _ = collectives.dense_mean_arrays([leaves[i] for i in idx], fast_axis)
     for i, m in zip(idx, means):
         leaves[i] = m
     return jax.tree.unflatten(treedef, leaves)
@@ -399,13 +447,217 @@ def _check_donatable(state: Any) -> None:
         )
 
 
-def nnx_data_parallel_step(
-    loss_fn: Callable[[Any, Any], jnp.ndarray],
+def _argnums(name: str, value: Any) -> tuple[int, ...]:
+    vals = (value,) if isinstance(value, int) else tuple(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+        raise ValueError(f"{name} must be an int or a tuple of ints (positions of the step's arguments), got {value!r}")
+    return vals
+
+
+def _check_axis(mesh: Mesh, axis_name: str) -> None:
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
+
+
+def _is_graph_node(x: Any) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    return nnx.graph.is_graph_node(x)
+
+
+def worker_step(
+    fn: Callable[..., Any],
     mesh: Mesh,
     *,
     axis_name: str = "data",
+    batch_argnums: int | tuple[int, ...] = -1,
+    rng_argnums: int | tuple[int, ...] = (),
+    average: Any = (),
+    worker_rngs: bool = True,
     donate: bool = False,
-) -> Callable[[Any, Any, Any], jnp.ndarray]:
+) -> Callable[..., Any]:
+    """Turn a single-device train step into the data-parallel step over the worker-stacked layout.
+
+    ``fn`` is the step a program already has, written for one device, e.g. a
+    Flax Linen ``train_step(state, batch) -> (state, metrics)`` over a
+    ``TrainState`` whose ``tx`` chains a compjax compressor, or a Flax NNX
+    ``train_step(model, optimizer, metrics, batch)`` that updates its objects in
+    place.  The returned step runs ``fn`` on every worker's slice under
+    ``jax.shard_map`` and ``jax.jit``:
+
+    * **worker-stacked arguments** (every argument that is neither a batch nor
+      a key: pytrees from :func:`replicate`, NNX objects from
+      :func:`nnx_replicate`) are sliced to this worker's copy; ``fn`` sees
+      one worker's values with their usual shapes.  Gradients taken inside
+      ``fn`` are then local (per-worker parameters): JAX adds no all-reduce of
+      its own, and the compressor in the optimizer averages them over
+      ``axis_name``;
+    * **batch arguments** (``batch_argnums``, default the last) are split
+      along their leading axis (:func:`shard_batch`): worker ``i`` gets rows
+      ``[i*b, (i+1)*b)``;
+    * **key arguments** (``rng_argnums``): one key, the same for all, from
+      which each worker gets ``jax.random.fold_in(key, i)``; with
+      ``worker_rngs`` the ``nnx.RngKey`` streams of NNX arguments are folded
+      the same way for the step (dropout masks differ across workers and
+      repeat from the same seed; the stored key stays shared, the counters
+      advance);
+    * **outputs**: whatever ``fn`` returns comes back worker-stacked (leading
+      axis of ``n`` workers: each worker's new state, aux outputs and metrics);
+      NNX arguments are updated in place with every worker's new state;
+    * **average**: key names (``"batch_stats"``) of ``fn``'s outputs, or NNX
+      Variable types (``nnx.BatchStat``) of its NNX arguments, averaged over
+      workers after each step (one dense all-reduce per dtype); the rest stays
+      per worker.  The model's own collectives inside ``fn`` (BatchNorm with
+      ``axis_name=``) are allowed.
+
+    Args:
+      fn: the single-device step (jitted or not; ``nnx.jit`` works too).
+      mesh: mesh with axis ``axis_name`` (n workers).
+      axis_name: the data axis; compressors in ``fn``'s optimizers must use it.
+      batch_argnums: positions of the batch arguments (negative counts from the end).
+      rng_argnums: positions of PRNG key arguments (typed or raw), passed as one
+        key for all workers.
+      average: names and/or NNX Variable types to average over workers after each step.
+      worker_rngs: fold the worker index into NNX arguments' ``RngKey`` streams.
+      donate: donate the worker-stacked arguments' buffers (the arrays held
+        before the call are deleted; NNX objects get the new ones).
+
+    Returns:
+      ``step(*args)`` with ``fn``'s arguments in the worker-stacked layout,
+      returning ``fn``'s outputs with a leading worker axis.  ``step.lower(*args)``
+      lowers the underlying jitted function (so
+      :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
+
+    Raises:
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, argnums not
+        ints or overlapping, an ``average`` entry neither a name nor an NNX
+        Variable type; when called, an argnum out of range, an NNX object or a
+        non-key at a batch or key position, a batch not divisible by ``n``, a
+        closed-over NNX object that ``fn`` tries to update (pass it as an
+        argument), or (with ``donate``) an array already donated.
+
+    Examples:
+      A single-device step, unchanged, run on 8 workers with top-k:
+
+      >>> import jax, jax.numpy as jnp, optax, compjax as cj
+      >>> from compjax import parallel
+      >>> mesh = parallel.make_mesh()
+      >>> tx = optax.chain(cj.topk(0.5, axis_name="data"), optax.sgd(0.1))
+      >>> @jax.jit
+      ... def train_step(params, opt_state, batch):
+      ...     loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p - 1.0) ** 2))(params)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+      >>> params = jnp.zeros(4)
+      >>> params, opt_state = parallel.replicate(params, mesh), parallel.init_worker_state(tx, params, mesh)
+      >>> step = parallel.worker_step(train_step, mesh)
+      >>> params, opt_state, metrics = jax.block_until_ready(step(params, opt_state, jnp.ones((16, 4))))
+      >>> metrics["loss"].shape, int(cj.payload_bytes(opt_state)[0])   # 2 indices + 2 values + the vote
+      ((8,), 20)
+    """
+    _check_axis(mesh, axis_name)
+    batch_nums, rng_nums = _argnums("batch_argnums", batch_argnums), _argnums("rng_argnums", rng_argnums)
+    names, types = workers.check_average(average)
+    spec = P(axis_name)
+
+    def kinds_of(nargs: int) -> tuple[str, ...]:
+        pos = {}
+        for label, nums, what in (("b", batch_nums, "batch_argnums"), ("k", rng_nums, "rng_argnums")):
+            for v in nums:
+                if not -nargs <= v < nargs:
+                    raise ValueError(f"{what} entry {v} is out of range for a step called with {nargs} arguments")
+                i = v % nargs
+                if i in pos:
+                    raise ValueError(f"argument {i} is listed twice in batch_argnums / rng_argnums")
+                pos[i] = label
+        return tuple(pos.get(i, "s") for i in range(nargs))
+
+    def body(graphdef, kinds, gstate, stacked, batches, keys):
+        gstate, stacked = jax.tree.map(lambda x: x[0], (gstate, stacked))
+        keys = [workers.fold_worker(k, axis_name) for k in keys]
+        objs = _nnx().merge(graphdef, gstate) if graphdef is not None else ()
+        saved = workers.nnx_fold_rngs(objs, axis_name) if objs and worker_rngs else None
+        it = {"g": iter(objs), "s": iter(stacked), "b": iter(batches), "k": iter(keys)}
+        args = [next(it[k]) for k in kinds]
+        try:
+            out = fn(*args)
+        except Exception as e:
+            from flax import errors
+
+            if isinstance(e, errors.TraceContextError):
+                raise ValueError(
+                    "the step updates an NNX object it closed over (e.g. an nnx.Rngs used inside the loss), which "
+                    "cannot change inside a jitted data-parallel step: pass it as an argument of the step instead "
+                    "(replicated with parallel.nnx_replicate, like the model)"
+                ) from e
+            raise
+        out = workers.average_leaves(out, names, axis_name)
+        if objs:
+            if saved is not None:
+                _nnx().update(objs, saved)
+            workers.nnx_average(objs, types, axis_name)
+            gstate = _nnx().state(objs)
+        return jax.tree.map(lambda x: x[None], (gstate, out))
+
+    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3) if donate else (),
+                       out_shardings=NamedSharding(mesh, spec))  # as replicate() places: one compilation
+    def jitted(graphdef, kinds, gstate, stacked, batches, keys):
+        sharded = jax.shard_map(functools.partial(body, graphdef, kinds), mesh=mesh,
+                                in_specs=(spec, spec, spec, P()), out_specs=(spec, spec))
+        return sharded(gstate, stacked, batches, keys)
+
+    def prepare(args):
+        kinds = kinds_of(len(args))
+        for i, (a, k) in enumerate(zip(args, kinds)):
+            if k != "s" and _is_graph_node(a):
+                raise ValueError(f"argument {i} is an NNX object, but batch_argnums / rng_argnums list it: NNX "
+                                 "objects are worker-stacked arguments (parallel.nnx_replicate)")
+            if k == "k" and not all(workers.is_key(x) for x in jax.tree.leaves(a)):
+                raise ValueError(f"argument {i} is listed in rng_argnums but is not a PRNG key "
+                                 "(jax.random.key(seed) or a raw uint32[2] key)")
+        kinds = tuple("g" if k == "s" and _is_graph_node(a) else k for a, k in zip(args, kinds))
+        objs = tuple(a for a, k in zip(args, kinds) if k == "g")
+        graphdef, gstate = _nnx().split(objs) if objs else (None, None)
+        stacked = tuple(a for a, k in zip(args, kinds) if k == "s")
+        n = mesh.shape[axis_name]
+        for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):
+            for path, x in jax.tree_util.tree_leaves_with_path(_nnx().state(a) if _is_graph_node(a) else a):
+                if np.ndim(x) == 0 or np.shape(x)[0] != n:
+                    raise ValueError(
+                        f"argument {i}{jax.tree_util.keystr(path)} has shape {np.shape(x)}, not the worker-stacked "
+                        f"layout (a leading axis of {n} workers): give it the worker axis first "
+                        f"(parallel.replicate for pytrees, parallel.nnx_replicate for NNX objects), or list it in "
+                        "batch_argnums / rng_argnums"
+                    )
+        if donate:
+            _check_donatable((gstate, stacked))
+        batches = tuple(shard_batch(a, mesh, axis_name) for a, k in zip(args, kinds) if k == "b")
+        keys = tuple(_put(a, NamedSharding(mesh, P())) for a, k in zip(args, kinds) if k == "k")
+        return objs, (graphdef, kinds, gstate, stacked, batches, keys)
+
+    def step(*args):
+        objs, jargs = prepare(args)
+        gstate, out = jitted(*jargs)
+        if objs:
+            _nnx().update(objs, gstate)
+        return out
+
+    step.lower = lambda *args: jitted.lower(*prepare(args)[1])
+    step.jitted = jitted
+    return step
+
+
+def nnx_data_parallel_step(
+    loss_fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    has_aux: bool = False,
+    worker_rngs: bool = True,
+    donate: bool = False,
+) -> Callable[[Any, Any, Any], Any]:
     """Build a data-parallel train step for an NNX model and ``nnx.Optimizer``.
 
     On each worker's slice, under ``jax.shard_map`` and ``jax.jit`` (compiled
@@ -418,34 +670,42 @@ def nnx_data_parallel_step(
     ``optimizer`` (``nnx.update``).  As in :func:`data_parallel_step`,
     gradients are local and the compiled step carries only the compressor's
     collectives.  Variables other than the optimized ones (batch statistics,
-    RNG counters) are updated per worker from the local batch; RNG streams
-    start equal on every worker, so random draws (dropout) are the same on all
-    workers.
+    RNG counters) are updated per worker from the local batch.  With
+    ``worker_rngs`` each worker draws from its own streams (the worker index
+    folded into the model's ``RngKey`` s, :func:`worker_step`): dropout masks
+    differ across workers and repeat from the same seed.  A step of one's own
+    (metrics, several models) is :func:`worker_step` over it.
 
     Args:
-      loss_fn: ``(model, batch) -> scalar loss`` for one worker's batch; it may
-        update the model's non-optimized Variables.
+      loss_fn: ``(model, batch) -> scalar loss`` for one worker's batch, or
+        ``-> (loss, aux)`` with ``has_aux``; it may update the model's
+        non-optimized Variables.  An ``nnx.Rngs`` it uses must belong to the
+        model (a closed-over one cannot be updated inside the step).
       mesh: mesh with axis ``axis_name`` (n workers).
       axis_name: the data axis; the compressor in the optimizer's ``tx`` must
         use the same name.
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
+      worker_rngs: fold the worker index into the model's RNG streams for the
+        step (False: every worker draws the same numbers).
       donate: donate the model's and optimizer's buffers to the step (the
         arrays held before the call are deleted; the objects get the new ones).
 
     Returns:
-      ``train_step(model, optimizer, batch) -> loss``: model and optimizer
-      replicated with :func:`nnx_replicate` (updated in place), batch a pytree
-      of arrays split along their leading axis (put on the mesh with
-      :func:`shard_batch` unless already there), loss a float array of shape
-      ``(n,)`` (each worker's local loss).  ``train_step.lower(model, optimizer,
-      batch)`` lowers the underlying jitted function (so
+      ``train_step(model, optimizer, batch) -> loss`` (``-> (loss, aux)`` with
+      ``has_aux``): model and optimizer replicated with :func:`nnx_replicate`
+      (updated in place), batch a pytree of arrays split along their leading
+      axis (put on the mesh with :func:`shard_batch` unless already there),
+      loss a float array of shape ``(n,)`` (each worker's local loss) and aux
+      each worker's, stacked.  ``train_step.lower(model, optimizer, batch)``
+      lowers the underlying jitted function (so
       :func:`compjax.audit_collectives` accepts ``train_step``), and
-      ``train_step.jitted`` is that function, ``(graphdef, state, batch) ->
-      (state, loss)``.
+      ``train_step.jitted`` is that function.
 
     Raises:
-      ValueError: at call time, a batch leading dimension not divisible by n,
-        or (with ``donate``) a Variable holding an array already donated or
-        the same array as another Variable.
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``; at call
+        time, a batch leading dimension not divisible by n, a closed-over NNX
+        object the loss updates, or (with ``donate``) a Variable holding an
+        array already donated or the same array as another Variable.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, compjax as cj
@@ -462,35 +722,12 @@ def nnx_data_parallel_step(
       >>> [op.op for op in cj.audit_collectives(train_step, model, optimizer, batch)]
       ['all-reduce', 'all-reduce']
     """
-    nnx = _nnx()
-    spec = P(axis_name)
+    _check_axis(mesh, axis_name)
 
-    def body(graphdef, state, batch):
-        model, optimizer = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))
-        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt))
-        loss, grads = grad_fn(model, batch)
+    def single(model, optimizer, batch):
+        grad_fn = _nnx().value_and_grad(loss_fn, argnums=_nnx().DiffState(0, optimizer.wrt), has_aux=has_aux)
+        out, grads = grad_fn(model, batch)
         optimizer.update(model, grads)
-        state = jax.tree.map(lambda x: x[None], nnx.state((model, optimizer)))
-        return state, jnp.reshape(loss, (1,))
+        return out
 
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1,) if donate else ())
-    def jitted(graphdef, state, batch):
-        sharded = jax.shard_map(
-            functools.partial(body, graphdef), mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)
-        )
-        return sharded(state, batch)
-
-    def train_step(model, optimizer, batch):
-        graphdef, state = nnx.split((model, optimizer))
-        if donate:
-            _check_donatable(state)
-        state, loss = jitted(graphdef, state, shard_batch(batch, mesh, axis_name))
-        nnx.update((model, optimizer), state)
-        return loss
-
-    def lower(model, optimizer, batch):
-        return jitted.lower(*nnx.split((model, optimizer)), shard_batch(batch, mesh, axis_name))
-
-    train_step.lower = lower
-    train_step.jitted = jitted
-    return train_step
+    return worker_step(single, mesh, axis_name=axis_name, worker_rngs=worker_rngs, donate=donate)

@@ -41,3 +41,15 @@ def test_nnx_quickstart_runs_and_loss_falls(capsys):
     reported = re.match(r"\[([0-9 ]+)\]", last).group(1).split()
     assert len(reported) == 8 and len(set(reported)) == 1
     assert int(reported[0]) == sum(int(b) for b in re.findall(r"bytes=(\d+)", last)) > 0
+
+
+def test_existing_loop_recipes_are_the_example_programs():
+    """The two recipes of "Adding compjax to an existing training loop" are the examples' code, which tests run."""
+    import inspect
+
+    from examples import linen_resnet_compjax, nnx_cnn_compjax
+
+    section = re.search(r"^## Adding compjax to an existing training loop\n(.*?)(?=^## )", README.read_text(),
+                        re.DOTALL | re.MULTILINE).group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    assert blocks == [inspect.getsource(m.train) for m in (linen_resnet_compjax, nnx_cnn_compjax)]

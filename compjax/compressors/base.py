@@ -58,7 +58,9 @@ from compjax._checks import check_same_tree
 from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
 
-__all__ = ["COMMON_FIELDS", "Context", "Exchanged", "any_nonfinite", "compressor", "is_compressible", "silenced"]
+__all__ = [
+    "COMMON_FIELDS", "Context", "Exchanged", "any_nonfinite", "check_axis", "compressor", "is_compressible", "silenced",
+]
 
 #: The fields every compressor state ends with.
 COMMON_FIELDS = ("count", "skipped", "payload_bytes")
@@ -167,6 +169,66 @@ def _like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: collectives.like_varying(jnp.asarray(n).astype(o.dtype), o), new, old)
 
 
+def _bound_axes() -> tuple:
+    """Names of the worker axes bound where this is traced (``shard_map``/``pmap`` mesh axes, ``vmap`` names)."""
+    try:  # every binding (vmap included); private, so read defensively
+        from jax._src import core
+
+        return tuple(core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):  # pragma: no cover - the public view: manual mesh axes only
+        return tuple(jax.sharding.get_abstract_mesh().axis_names)
+
+
+def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
+    """Refuse, at trace time, a worker axis that would silently send nothing or fail deep in ``jax.lax``.
+
+    Two mistakes are caught before any collective is traced:
+
+    * ``axis_name=None`` while the gradients vary over a manual mesh axis
+      (inside ``jax.shard_map`` over workers): each worker would apply its own
+      gradients and no byte would move, while a byte count is still reported.
+    * an ``axis_name`` that no enclosing ``shard_map``/``pmap``/``vmap``
+      binds (e.g. ``"batch"`` on a ``"data"`` mesh), which ``jax.lax`` reports
+      as a bare ``AssertionError`` or ``NameError``.
+
+    Args:
+      axis_name: the transform's worker axis (a name, a tuple of names, or None).
+      leaves: the gradient leaves the transform received.
+      who: the transform, as users call it (e.g. ``"cj.topk"``).
+
+    Raises:
+      ValueError: naming ``who``, its ``axis_name``, the axes bound here and the fix.
+    """
+    bound = _bound_axes()
+    if axis_name is None:
+        varying = set()
+        for x in leaves:
+            varying |= collectives.varying_axes(x)
+        if varying:
+            axes = tuple(sorted(varying, key=str))
+            raise ValueError(
+                f"{who} has axis_name=None, but its gradients vary over the mesh axes {axes} of this shard_map: "
+                f"every worker would keep its own gradients and nothing would be sent. Build it with "
+                f"axis_name={axes[0]!r} (the axis the workers are laid out over)"
+            )
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    missing = [n for n in names if n not in bound]
+    if missing:
+        where = (f"the axes bound here are {bound}" if bound else
+                 "no worker axis is bound here (called outside shard_map, pmap or vmap with an axis_name)")
+        fix = (f"build it with axis_name={bound[0]!r}" if len(bound) == 1 else
+               f"build it with one of {bound}" if bound else
+               "call it inside the data-parallel step, or build it with axis_name=None for one worker")
+        raise ValueError(f"{who} has axis_name={axis_name!r}, which is not an axis of this step: {where}; {fix}")
+
+
+def _who(state_cls: type) -> str:
+    """The factory a state type belongs to, as users call it (``TopkState`` -> ``cj.topk``)."""
+    name = state_cls.__name__.removesuffix("State")
+    return "cj." + {"DelayedAveraging": "delayed_averaging"}.get(name, name.lower())
+
+
 def compressor(
     state_cls: type,
     exchange: Exchange,
@@ -210,7 +272,9 @@ def compressor(
 
     Raises:
       ValueError: at trace time, a gradient tree whose structure or shapes do
-        not match the per-parameter fields built by ``init``.
+        not match the per-parameter fields built by ``init``; an
+        ``axis_name`` no enclosing ``shard_map``/``pmap``/``vmap`` binds, or
+        None while the gradients vary over a mesh axis (:func:`check_axis`).
     """
     own = tuple(f for f in state_cls._fields if f not in COMMON_FIELDS)
     if state_cls._fields[len(own):] != COMMON_FIELDS:
@@ -234,11 +298,17 @@ def compressor(
             payload_bytes=bytecount.zeros(),
         )
 
+    who = _who(state_cls)
+
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
+        with jax.named_scope(who):  # the audit's op names then say whose collective it is: .../cj.topk/compjax/...
+            return _update(updates, state)
+
+    def _update(updates, state):
         leaves, treedef = jax.tree.flatten(updates)
         sel = [i for i, g in enumerate(leaves) if is_compressible(g)]
         xs = [leaves[i] for i in sel]
+        check_axis(axis_name, xs, who)
         old = {f: getattr(state, f) for f in own}
         for name in trees:
             if old[name] is not None:
