@@ -289,9 +289,11 @@ def data_parallel_step(
       axis of n.
 
     Raises:
-      ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``.
+      ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``,
+        or a flag (``has_aux``, ``rng``, ``donate``) not a bool.
     """
     _check_axis(mesh, axis_name)
+    _check_flags(has_aux=has_aux, rng=rng, donate=donate)
     if fast_axis is not None:
         _check_axis(mesh, fast_axis)
     axes = _worker_axes(mesh, axis_name, fast_axis)[1]
@@ -447,6 +449,12 @@ def _check_donatable(state: Any) -> None:
         )
 
 
+def _check_flags(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _argnums(name: str, value: Any) -> tuple[int, ...]:
     vals = (value,) if isinstance(value, int) else tuple(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
@@ -531,7 +539,7 @@ def worker_step(
       :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh``, argnums not
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a flag not a bool, argnums not
         ints or overlapping, an ``average`` entry neither a name nor an NNX
         Variable type; when called, an argnum out of range, an NNX object or a
         non-key at a batch or key position, a batch not divisible by ``n``, a
@@ -558,6 +566,7 @@ def worker_step(
       ((8,), 20)
     """
     _check_axis(mesh, axis_name)
+    _check_flags(worker_rngs=worker_rngs, donate=donate)
     batch_nums, rng_nums = _argnums("batch_argnums", batch_argnums), _argnums("rng_argnums", rng_argnums)
     names, types = workers.check_average(average)
     spec = P(axis_name)
@@ -702,7 +711,7 @@ def nnx_data_parallel_step(
       ``train_step.jitted`` is that function.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh``; at call
+      ValueError: when built, ``axis_name`` not an axis of ``mesh`` or a flag not a bool; at call
         time, a batch leading dimension not divisible by n, a closed-over NNX
         object the loss updates, or (with ``donate``) a Variable holding an
         array already donated or the same array as another Variable.
@@ -723,6 +732,7 @@ def nnx_data_parallel_step(
       ['all-reduce', 'all-reduce']
     """
     _check_axis(mesh, axis_name)
+    _check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate)
 
     def single(model, optimizer, batch):
         grad_fn = _nnx().value_and_grad(loss_fn, argnums=_nnx().DiffState(0, optimizer.wrt), has_aux=has_aux)

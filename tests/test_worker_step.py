@@ -198,6 +198,12 @@ def test_worker_step_bad_input(mesh):
         parallel.worker_step(f, mesh)(jnp.zeros(2), jnp.zeros((N,)))
     with pytest.raises(ValueError, match="is an NNX object"):
         parallel.worker_step(f, mesh)(state, nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="worker_rngs must be True or False"):
+        parallel.worker_step(f, mesh, worker_rngs="yes")
+    with pytest.raises(ValueError, match="has_aux must be True or False"):
+        parallel.nnx_data_parallel_step(f, mesh, has_aux=1)
+    with pytest.raises(ValueError, match="rng must be True or False"):
+        parallel.data_parallel_step(f, optax.sgd(0.1), mesh, rng=None)
     with pytest.raises(ValueError, match="fast_axis='fast' is not an axis|axis_name='fast' is not an axis"):
         parallel.data_parallel_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, fast_axis="fast")
 
