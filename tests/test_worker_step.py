@@ -162,6 +162,7 @@ def linear_step(compressor, mesh):
      r"cj.topk has axis_name='batch', which is not an axis of this step: the axes bound here are \('data',\)"),
     (lambda: cj.powersgd(1, axis_name="batch"), r"cj.powersgd has axis_name='batch'.*build it with axis_name='data'"),
     (lambda: cj.delayed_averaging(2, axis_name=None), r"cj.delayed_averaging has axis_name=None.*axis_name='data'"),
+    (lambda: cj.apply_if_finite(cj.identity("data"), axis_name="batch"), r"cj.apply_if_finite has axis_name='batch'"),
 ])
 def test_axis_mistakes_raise_before_any_step_runs(mesh, compressor, message):
     step, params, opt_state = linear_step(compressor(), mesh)

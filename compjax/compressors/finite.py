@@ -12,7 +12,7 @@ import optax
 from compjax import bytecount, collectives
 from compjax._checks import check_range
 from compjax.collectives import AxisName
-from compjax.compressors.base import any_nonfinite
+from compjax.compressors.base import any_nonfinite, check_axis
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -73,7 +73,11 @@ def apply_if_finite(
       ``optax.GradientTransformationExtraArgs`` with state :class:`ApplyIfFiniteState`.
 
     Raises:
-      ValueError: ``max_consecutive_errors`` not None and below 0.
+      ValueError: ``max_consecutive_errors`` not None and below 0; at trace
+        time, an ``axis_name`` no enclosing ``shard_map``/``pmap``/``vmap``
+        binds, or None while the gradients vary over a mesh axis (each worker
+        would decide alone, and the others would wait in the compressor's
+        collectives).
 
     Examples:
       >>> import optax, compjax as cj
@@ -93,6 +97,7 @@ def apply_if_finite(
 
     def update_fn(updates, state, params=None, **extra_args):
         floats = [x for x in jax.tree.leaves(updates) if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+        check_axis(axis_name, floats, "cj.apply_if_finite")
         local_bad = any_nonfinite(floats) if floats else jnp.bool_(False)
         bad, nbytes = collectives.any_over_workers(local_bad, axis_name)
         notfinite_count = jnp.where(bad, state.notfinite_count + 1, 0)
