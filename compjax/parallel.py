@@ -631,7 +631,8 @@ def worker_step(
         graphdef, gstate = _nnx().split(objs) if objs else (None, None)
         stacked = tuple(a for a, k in zip(args, kinds) if k == "s")
         n = mesh.shape[axis_name]
-        for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):
+        unstacked = any(np.ndim(x) == 0 or np.shape(x)[0] != n for x in jax.tree.leaves((gstate, stacked)))
+        for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if unstacked and k in "gs"):  # name it
             for path, x in jax.tree_util.tree_leaves_with_path(_nnx().state(a) if _is_graph_node(a) else a):
                 if np.ndim(x) == 0 or np.shape(x)[0] != n:
                     raise ValueError(
