@@ -27,7 +27,9 @@ __all__ = [
     "COLLECTIVE_OPS",
     "Collective",
     "audit_collectives",
+    "bytes_by_axes",
     "bytes_by_issuer",
+    "collective_axes",
     "format_collectives",
     "payload_bytes",
 ]
@@ -325,11 +327,16 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     backends are taken to reduce 16-bit floats natively).
 
     Args:
-      fn: a function or a ``jax.jit``-wrapped function.
+      fn: a function or a ``jax.jit``-wrapped function, or a program already
+        compiled (``jitted.lower(...).compile()``, then no arguments): the
+        audit then reads the very program that runs.
       *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     Returns:
       A list of :class:`Collective`, in program order.
+
+    Raises:
+      ValueError: example arguments given with a compiled program.
 
     Examples:
       A data-parallel step with top-k on every device: per worker, one 4-byte
@@ -354,6 +361,10 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
       >>> int(cj.payload_bytes(s)[0]) == sum(op.bytes for op in ops)
       True
     """
+    if isinstance(fn, jax.stages.Compiled):
+        if args or kwargs:
+            raise ValueError("a compiled program takes no example arguments: audit_collectives(compiled)")
+        return _collectives_of_hlo(fn.as_text())
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     return _collectives_of_hlo(jitted.lower(*args, **kwargs).compile().as_text())
 
@@ -490,6 +501,65 @@ def bytes_by_issuer(ops: list[Collective]) -> dict[str, int]:
     for op in ops:
         for (d, shape), who in zip(op.operands, op.issuers):
             out[who or "other"] += _array_bytes(d, shape)
+    return out
+
+
+def collective_axes(op: Collective, mesh: Any) -> tuple[str, ...]:
+    """The mesh axes a collective runs over, read from its replica groups.
+
+    A device's id in the compiled program's replica groups is its position in
+    ``mesh.devices`` (row-major); the axes are those along which the members of
+    a group differ.  On a ``slow x fast`` mesh (``compjax.parallel.make_2d_mesh``)
+    ``("data",)`` is the slow link between hosts and ``("fast",)`` the link
+    inside a host.
+
+    Args:
+      op: one entry of :func:`audit_collectives`.
+      mesh: the ``jax.sharding.Mesh`` the program was compiled for.
+
+    Returns:
+      The axis names, in the mesh's order (all of them when the HLO gives no groups).
+
+    Examples:
+      >>> import jax
+      >>> from compjax import parallel
+      >>> mesh = parallel.make_2d_mesh(2, 4)
+      >>> collective_axes(Collective("all-gather", (("u32", (8,)),), 32, "ag", ((0, 4), (1, 5), (2, 6), (3, 7))), mesh)
+      ('data',)
+    """
+    shape = mesh.devices.shape
+    groups = op.replica_groups or (tuple(range(int(np.prod(shape)))),)
+    varied = set()
+    for g in groups:
+        coords = np.array([np.unravel_index(i, shape) for i in g])
+        varied |= {a for a in range(len(shape)) if len(set(coords[:, a])) > 1}
+    return tuple(name for a, name in enumerate(mesh.axis_names) if a in varied)
+
+
+def bytes_by_axes(ops: list[Collective], mesh: Any, issuer: str | None = "compjax") -> dict[tuple, int]:
+    """Audited bytes per device, by the mesh axes the collectives run over.
+
+    On a ``slow x fast`` mesh the compressors' payload crosses the slow link
+    split over the host's devices, each sending ``1/fast`` of it: the slow-axis
+    entry times ``fast`` is the host's payload, what :func:`payload_bytes`
+    reports per worker.
+
+    Args:
+      ops: the output of :func:`audit_collectives`.
+      mesh: the mesh the program was compiled for.
+      issuer: count only operands of this issuer (``"compjax"``,
+        ``"compjax-uncounted"``; ``"other"`` for the model's and XLA's), or
+        None for all.
+
+    Returns:
+      ``{axes: bytes}``, e.g. ``{("data",): 116, ("fast",): 2004}``.
+    """
+    out: dict[tuple, int] = {}
+    for op in ops:
+        axes = collective_axes(op, mesh)
+        for (d, shape), who in zip(op.operands, op.issuers):
+            if issuer is None or (who or "other") == issuer:
+                out[axes] = out.get(axes, 0) + _array_bytes(d, shape)
     return out
 
 

@@ -28,6 +28,18 @@ XLA:CPU makes of them.
 
 The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 ``jax.vmap(..., axis_name=...)``.
+
+**Two-level meshes.** Inside a step of :mod:`compjax.parallel` on a ``slow x
+fast`` mesh (:func:`compjax.layout.current` names the fast axis), every fast
+device of a host holds the same payload.  Each then sends only its ``1/fast``
+piece of it over the slow axis (the flat payload padded to a multiple of
+``fast``), and the pieces are all-gathered back over the fast axis (inside the
+host, :func:`uncounted`): the slow link carries each host's payload once.
+``payload_bytes`` is then the bytes one host (one slow-axis worker) puts on
+the slow link: ``fast`` times what each of its devices sends, the padding
+included; a device's own share is ``payload_bytes / fast``.  The non-finite
+vote is taken over the fast axis first (inside the host), then over the slow
+axis (4 bytes from each device).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from compjax import layout
 from compjax.codecs.bucket import make_bucket
 
 AxisName = Hashable | None
@@ -45,10 +58,12 @@ AxisName = Hashable | None
 __all__ = [
     "SCOPE",
     "UNCOUNTED_SCOPE",
+    "any_over_fast",
     "any_over_workers",
     "cond_unified",
     "dense_mean",
     "dense_mean_arrays",
+    "gather_inside_host",
     "gathered_mean",
     "like_varying",
     "match_varying",
@@ -102,7 +117,7 @@ def _wire_uint(dtype) -> Any:
     return {1: jnp.uint8, 2: jnp.uint16}.get(dtype.itemsize)
 
 
-def _all_gather(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+def _all_gather(x: jnp.ndarray, axis_name: AxisName, **kw: Any) -> jnp.ndarray:
     """``jax.lax.all_gather(x, axis_name)`` with 8- and 16-bit floats sent bitcast to unsigned integers.
 
     XLA:CPU widens bfloat16 all-gathers to float32 and float8 ones to float16
@@ -111,8 +126,49 @@ def _all_gather(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
     """
     wire = _wire_uint(x.dtype)
     if wire is None:
-        return jax.lax.all_gather(x, axis_name)
-    return jax.lax.bitcast_convert_type(jax.lax.all_gather(jax.lax.bitcast_convert_type(x, wire), axis_name), x.dtype)
+        return jax.lax.all_gather(x, axis_name, **kw)
+    return jax.lax.bitcast_convert_type(jax.lax.all_gather(jax.lax.bitcast_convert_type(x, wire), axis_name, **kw),
+                                        x.dtype)
+
+
+def gather_inside_host(x: jnp.ndarray, fast: str, axis: int) -> jnp.ndarray:
+    """The whole array of which ``x`` is this device's piece along ``axis``: a tiled all-gather over ``fast``.
+
+    Typed invariant over ``fast`` (every device of the host holds the same
+    result), issued under :func:`uncounted` (inside the host: no compressor's
+    payload).  Not for differentiation (its transpose is a slice, not a
+    reduce-scatter).
+    """
+    with uncounted():
+        return _all_gather(x, fast, axis=axis, tiled=True, to="invarying")
+
+
+def _host_axis(axis_name: AxisName) -> str | None:
+    """The fast axis over which a slow-axis payload is split (None: sent whole by every device)."""
+    lay = layout.current()
+    if lay is None or axis_name is None:
+        return None
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return None if lay.axis in names else lay.axis
+
+
+def _piece(x: jnp.ndarray, fast: str) -> tuple[jnp.ndarray, int]:
+    """This device's ``1/fast`` piece of the flat ``x`` (zero-padded to a multiple of ``fast``), and its length."""
+    flat = jnp.ravel(x)
+    f = int(jax.lax.axis_size(fast))
+    per = -(-int(flat.size) // f)
+    flat = jnp.pad(flat, (0, per * f - int(flat.size)))
+    start = jax.lax.axis_index(fast).astype(jnp.int32) * per
+    return jax.lax.dynamic_slice_in_dim(flat, start, per), f
+
+
+def _join(piece: jnp.ndarray, like: jnp.ndarray, fast: str) -> jnp.ndarray:
+    """The host's pieces all-gathered over ``fast`` (inside the host), trimmed and shaped like ``like``."""
+    with uncounted():
+        whole = _all_gather(piece, fast, to="invarying")  # (fast, ...piece): device f's piece at f
+    whole = jnp.moveaxis(whole, 0, -2)  # (..., fast, per): the flat payload in order
+    whole = whole.reshape(whole.shape[:-2] + (-1,))[..., : int(like.size)]
+    return whole.reshape(whole.shape[:-1] + like.shape)
 
 
 def reduce_bytes(x: jnp.ndarray) -> int:
@@ -266,10 +322,33 @@ def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarra
     """
     if axis_name is None:
         return flag, 0
-    vote = flag.astype(jnp.int32)
+    vote = any_over_fast(flag).astype(jnp.int32) if _host_axis(axis_name) else flag.astype(jnp.int32)
     with _scope("vote"):
         total = jax.lax.pmax(vote, axis_name)
-    return total > 0, _nbytes(vote)
+    fast = _host_axis(axis_name)
+    return total > 0, _nbytes(vote) * (int(jax.lax.axis_size(fast)) if fast else 1)
+
+
+def any_over_fast(flag: jnp.ndarray) -> jnp.ndarray:
+    """Whether ``flag`` is true on any device of this host: a ``pmax`` over the fast axis, inside the host.
+
+    On a two-level step (:func:`compjax.layout.current`) the devices of one
+    host hold shards of the same worker's state, so a decision such as
+    skipping a non-finite step must be theirs together.  Elsewhere ``flag``
+    is returned as it is.  Sent inside the host (:func:`uncounted`), so no
+    compressor counts it.
+
+    Args:
+      flag: boolean scalar.
+
+    Returns:
+      boolean scalar, the same on every device of the host.
+    """
+    lay = layout.current()
+    if lay is None:
+        return flag
+    with uncounted():
+        return jax.lax.pmax(flag.astype(jnp.int32), lay.axis) > 0
 
 
 def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:
@@ -290,6 +369,13 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
     n = jnp.asarray(num_workers(axis_name), x.dtype)
     if prescale:
         x = x / n
+    fast = _host_axis(axis_name)
+    if fast is not None:  # each device of the host reduces its piece; the pieces come back inside the host
+        piece, f = _piece(x, fast)
+        with _scope("dense_mean"):
+            piece = jax.lax.psum(piece, axis_name)
+        total = _join(piece, x, fast)
+        return (total if prescale else total / n), f * reduce_bytes(piece)
     with _scope("dense_mean"):
         total = jax.lax.psum(x, axis_name)
     return (total if prescale else total / n), reduce_bytes(x)
@@ -400,8 +486,8 @@ def sparse_mean_segments(
     n = num_workers(axis_name)
     if axis_name is not None:  # (n, k): worker by worker
         with _scope("sparse_mean"):
-            indices = _all_gather(indices, axis_name)
-            values = _all_gather(values, axis_name)
+            (indices, values), sent = _gather_workers((indices, values), axis_name)
+        nbytes = sent
     else:
         indices, values = indices[None], values[None]
     if n != 1:  # divide the k n pairs, not the dense buffers: no extra pass over them
@@ -411,6 +497,23 @@ def sparse_mean_segments(
         means.append(_zeros(size, values.dtype, indices[0, min(lo, k - 1)]).at[(indices[:, lo:hi] - base).reshape(-1)].add(
             values[:, lo:hi].reshape(-1)))
     return means, nbytes
+
+
+def _gather_workers(arrays: Sequence[jnp.ndarray], axis_name: AxisName) -> tuple[list[jnp.ndarray], int]:
+    """Every worker's ``arrays`` through all-gathers over ``axis_name``: ``(n, *shape)`` each, and the bytes sent.
+
+    On a two-level step each device of a host sends its ``1/fast`` piece of
+    each array and the host's pieces are all-gathered back over the fast axis.
+    """
+    fast = _host_axis(axis_name)
+    if fast is None:
+        return [_all_gather(a, axis_name) for a in arrays], sum(_nbytes(a) for a in arrays)
+    out, nbytes = [], 0
+    for a in arrays:
+        piece, f = _piece(a, fast)
+        nbytes += f * _nbytes(piece)
+        out.append(_join(_all_gather(piece, axis_name), a, fast))  # (n, per) -> (n, *a.shape)
+    return out, nbytes
 
 
 def _zeros(size: int, dtype, tag: jnp.ndarray) -> jnp.ndarray:
@@ -455,7 +558,8 @@ def gathered_mean(
     n = num_workers(axis_name)
     sent = [i for i, p in enumerate(payload) if p.size]
     with _scope("gathered_mean"):
-        gathered = {i: _all_gather(payload[i], axis_name) for i in sent}
+        arrays, nbytes = _gather_workers([payload[i] for i in sent], axis_name)
+    gathered = dict(zip(sent, arrays))
 
     def one(w):
         return [
@@ -485,5 +589,11 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
     """
     if axis_name is None:
         return x, _nbytes(x)
+    fast = _host_axis(axis_name)
+    if fast is not None:
+        piece, f = _piece(x, fast)
+        with _scope("max"):
+            piece = jax.lax.pmax(piece, axis_name)
+        return _join(piece, x, fast), f * reduce_bytes(piece)
     with _scope("max"):
         return jax.lax.pmax(x, axis_name), reduce_bytes(x)

@@ -20,6 +20,16 @@ layout runs over both mesh axes (``P((axis_name, fast_axis))``, one worker per
 device); :func:`data_parallel_step` averages gradients densely over the fast
 axis and leaves only the slow axis to the compressor.
 
+Sharded parameters (FSDP, ``specs=``): on a 2-D mesh the worker axis runs over
+the slow axis only and every large leaf of the parameters, optimizer state and
+compressor state is sharded over the fast axis inside it
+(``P(axis_name, *spec)``; :func:`fsdp_specs` gives a default rule).  The step
+all-gathers the parameters over the fast axis for the forward pass; the gradient
+through that gather is a reduce-scatter (a sum over the fast axis, divided by its
+size), each device updates its own shard, and the compressors see whole layers
+(:mod:`compjax.layout`): the numbers are those of the replicated layout, with
+``1/fast`` of the state on each device.
+
 Several processes (``jax.distributed``): every function here takes global
 arrays spanning all processes' devices; host values (parameters, a global batch)
 must be the same on every process, and :func:`gather` brings a worker-stacked
@@ -29,7 +39,7 @@ tree back to every host.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,10 +49,11 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from compjax import collectives, workers
+from compjax import collectives, layout, workers
 
 __all__ = [
     "data_parallel_step",
+    "fsdp_specs",
     "gather",
     "init_worker_state",
     "local_view",
@@ -53,6 +64,7 @@ __all__ = [
     "nnx_unreplicate",
     "replicate",
     "shard_batch",
+    "state_specs",
     "unreplicate",
     "worker_step",
 ]
@@ -139,7 +151,8 @@ def _put(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str | None = None) -> Any:
+def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str | None = None,
+              specs: Any = None) -> Any:
     """Stack ``n`` copies of every leaf on a new leading axis, sharded ``P(axis_name)``.
 
     Args:
@@ -149,24 +162,41 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
       axis_name: the data axis (the slow axis of a 2-D mesh).
       fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None:
         then ``n = slow x fast`` workers, sharded ``P((axis_name, fast_axis))``.
+        Ignored with ``specs``.
+      specs: sharded parameters: a tree like ``tree`` of ``PartitionSpec``s
+        (or None, a leaf held whole) over each leaf's own dimensions, naming one
+        fast mesh axis (:func:`fsdp_specs`).  The worker axis then runs over
+        ``axis_name`` only and leaf ``x`` is placed ``P(axis_name, *spec)``: each
+        device holds ``1/fast`` of it.
 
     Returns:
-      The same tree with leaves of shape ``(n, *shape)``, one slice per device,
-      each leaf in buffers of its own (safe to donate).
+      The same tree with leaves of shape ``(n, *shape)``, one slice per device
+      (or its shard, with ``specs``), each leaf in buffers of its own (safe to
+      donate).
+
+    Raises:
+      ValueError: bad ``specs`` (see :func:`fsdp_specs` for the rules), named by leaf.
     """
+    if specs is not None:
+        leaf_specs = _leaf_specs(tree, specs, mesh, axis_name)
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [_stack_copies(x, mesh, axis_name, None, spec)
+                                            for x, spec in zip(leaves, leaf_specs)])
     return jax.tree.map(lambda x: _stack_copies(x, mesh, axis_name, fast_axis), tree)
 
 
-def _stack_copies(x: Any, mesh: Mesh, axis_name: str, fast_axis: str | None = None) -> jax.Array:
+def _stack_copies(x: Any, mesh: Mesh, axis_name: str, fast_axis: str | None = None,
+                  spec: P | None = None) -> jax.Array:
     """``n`` copies of ``x`` stacked on a new leading axis, in a new buffer, sharded over the worker axes.
 
     The spec names the worker axes only (``P(axis_name)``), as the step
     builders return their outputs (``out_shardings``): the same sharding on the
     first and later calls, so the step's second call does not compile again.
+    With ``spec`` (sharded parameters) the leaf's own dimensions follow it.
     """
     n, axes = _worker_axes(mesh, axis_name, fast_axis)
     x = jnp.asarray(x) if jax.process_count() == 1 else np.asarray(x)
-    sharding = NamedSharding(mesh, P(axes))
+    sharding = NamedSharding(mesh, _stacked_spec(axes, spec))
     stacked = jnp.broadcast_to(x[None], (n, *x.shape)) if jax.process_count() == 1 else \
         np.broadcast_to(x[None], (n, *x.shape))
     return _put(stacked, sharding)
@@ -177,9 +207,18 @@ def unreplicate(tree: Any) -> Any:
 
     In a single process that is worker 0; with several processes, the first
     worker this process holds (parameters and other replicated values are the
-    same on every worker).
+    same on every worker).  A leaf sharded over a fast axis (``specs=``) comes
+    back whole.
     """
-    return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data)[0] if hasattr(x, "addressable_shards") else np.asarray(x)[0], tree)
+    def first(x):
+        if not hasattr(x, "addressable_shards"):
+            return np.asarray(x)[0]
+        spec = getattr(x.sharding, "spec", None)
+        if spec is not None and any(e is not None for e in tuple(spec)[1:]):  # a shard is not the whole worker
+            return np.asarray(gather(x))[0]
+        return np.asarray(x.addressable_shards[0].data)[0]
+
+    return jax.tree.map(first, tree)
 
 
 def local_view(tree: Any) -> Any:
@@ -228,10 +267,175 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: s
 
 def init_worker_state(
     tx: optax.GradientTransformation, params: Any, mesh: Mesh, axis_name: str = "data", *,
-    fast_axis: str | None = None,
+    fast_axis: str | None = None, specs: Any = None,
 ) -> Any:
-    """``tx.init(params)`` replicated into the worker-stacked layout (every worker starts equal)."""
-    return replicate(tx.init(params), mesh, axis_name, fast_axis=fast_axis)
+    """``tx.init(params)`` replicated into the worker-stacked layout (every worker starts equal).
+
+    With ``specs`` (sharded parameters, as given to :func:`replicate`), every
+    part of the state shaped like the parameters (optimizer moments, residuals,
+    DGC's velocity, DiLoCo's global parameters) is sharded like them
+    (:func:`state_specs`); the rest (counters, keys, byte counts) is held
+    whole by every fast device.
+    """
+    state = tx.init(params)
+    if specs is not None:
+        return replicate(state, mesh, axis_name, specs=state_specs(tx, params, specs, mesh))
+    return replicate(state, mesh, axis_name, fast_axis=fast_axis)
+
+
+def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh: Mesh) -> Any:
+    """PartitionSpecs for ``tx``'s state when the parameters are sharded by ``specs``.
+
+    ``tx.init`` is evaluated abstractly on the whole parameters and on one
+    device's shards (:func:`compjax.layout.scaled_dims`): a state leaf ``fast``
+    times larger in one dimension for the whole parameters is sharded along it
+    (optax's moments, a compressor's residual, DGC's velocity, DiLoCo's global
+    parameters and outer momentum, delayed averaging's history); every other
+    leaf (counters, keys, byte counts) is held whole by every fast device.
+
+    Args:
+      tx: the optimizer (its ``init`` is only traced, nothing is allocated).
+      params: the parameters without the worker axis (arrays or ``jax.ShapeDtypeStruct``).
+      specs: a tree like ``params`` of ``PartitionSpec`` (or None), one fast axis.
+      mesh: the mesh the specs refer to.
+
+    Returns:
+      A tree like ``tx.init(params)`` of ``PartitionSpec``, without the worker axis.
+
+    Raises:
+      ValueError: bad ``specs`` (see :func:`replicate`).
+    """
+    leaf_specs = _leaf_specs(params, specs, mesh, None)
+    dims, fast = _shard_dims(leaf_specs)
+    leaves, treedef = jax.tree.flatten(params)
+    whole = [jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x)) for x in leaves]
+    size = mesh.shape[fast] if fast is not None else 1
+    shards = [w if d is None else jax.ShapeDtypeStruct(w.shape[:d] + (w.shape[d] // size,) + w.shape[d + 1:], w.dtype)
+              for w, d in zip(whole, dims)]
+    state = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole))
+    state_dims = layout.scaled_dims(tx.init, jax.tree.unflatten(treedef, whole), jax.tree.unflatten(treedef, shards),
+                                    size)
+    out = [P() if d is None else P(*([None] * d + [fast])) for d in state_dims]
+    return jax.tree.unflatten(jax.tree.structure(state), out)
+
+
+def _spec_leaves(specs: Any, treedef: Any) -> list:
+    """``specs`` flattened against ``treedef`` (PartitionSpec and None leaves)."""
+    try:
+        return treedef.flatten_up_to(specs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"specs must have the structure of the tree it describes ({treedef}), with one "
+                         f"PartitionSpec (or None) per leaf, e.g. parallel.fsdp_specs(params, mesh): {e}") from None
+
+
+def _stacked_spec(axes: Any, spec: P | None) -> P:
+    """The spec of a worker-stacked leaf: the worker axes, then the leaf's own."""
+    return P(axes) if spec is None else P(axes, *tuple(spec))
+
+
+def _leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str) -> list:
+    """``specs`` checked against ``tree`` and ``mesh``: one ``PartitionSpec`` or None per leaf.
+
+    Raises:
+      ValueError: a spec naming an axis not in the mesh, the worker axis, an
+        axis twice, more than one fast axis in all, more dimensions than the
+        leaf has, or a dimension the axis size does not divide; named by leaf.
+    """
+    paths = jax.tree_util.tree_leaves_with_path(tree)
+    leaves = _spec_leaves(specs, jax.tree.structure(tree))
+    fast = set()
+    for (path, x), spec in zip(paths, leaves):
+        if spec is None:
+            continue
+        name = jax.tree_util.keystr(path) or "<root>"
+        if not isinstance(spec, P):
+            raise ValueError(f"specs{name} must be a PartitionSpec or None, got {spec!r}")
+        shape = np.shape(x)
+        if len(spec) > len(shape):
+            raise ValueError(f"specs{name} = {spec} has {len(spec)} entries for a leaf of shape {shape}")
+        seen = []
+        for dim, entry in enumerate(tuple(spec)):
+            for ax in (entry if isinstance(entry, tuple) else (entry,)) if entry is not None else ():
+                if ax not in mesh.axis_names:
+                    raise ValueError(f"specs{name} = {spec} names axis {ax!r}, which is not an axis of the mesh "
+                                     f"(axes {tuple(mesh.axis_names)})")
+                if ax == axis_name:
+                    raise ValueError(f"specs{name} = {spec} names {ax!r}, the worker axis: shard a leaf over the "
+                                     "fast axis only (the worker axis is added in front)")
+                if ax in seen:
+                    raise ValueError(f"specs{name} = {spec} shards over axis {ax!r} twice")
+                seen.append(ax)
+                fast.add(ax)
+            if isinstance(entry, tuple) and len(entry) > 1:
+                raise ValueError(f"specs{name} = {spec} shards dimension {dim} over several axes {entry}: "
+                                 "one fast axis per dimension")
+            for ax in (entry if isinstance(entry, tuple) else (entry,)) if entry is not None else ():
+                if shape[dim] % mesh.shape[ax]:
+                    raise ValueError(f"specs{name} = {spec} shards dimension {dim} of shape {shape} over {ax!r} "
+                                     f"of size {mesh.shape[ax]}, which does not divide it: shard another "
+                                     "dimension or keep the leaf whole (None), as fsdp_specs does")
+        if len(seen) > 1:
+            raise ValueError(f"specs{name} = {spec} shards over several axes {tuple(seen)}: one fast axis only")
+    if len(fast) > 1:
+        raise ValueError(f"specs shard over several axes {sorted(fast)}: one fast axis only")
+    return leaves
+
+
+def _shard_dims(leaf_specs: Sequence) -> tuple[list, str | None]:
+    """The sharded dimension of each leaf (None: whole) and the fast axis the specs name."""
+    dims, fast = [], None
+    for spec in leaf_specs:
+        dim = None
+        for d, entry in enumerate(tuple(spec) if spec is not None else ()):
+            if entry is not None:
+                dim, fast = d, entry[0] if isinstance(entry, tuple) else entry
+        dims.append(dim)
+    return dims, fast
+
+
+def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: int = 1024) -> Any:
+    """A default sharding rule for the parameters over the fast axis (FSDP, ZeRO-3 style).
+
+    Each leaf of at least ``min_size`` elements is sharded over ``fast_axis``
+    along its largest dimension that the axis size divides (the first such
+    dimension on a tie); scalars, small leaves and leaves with no such
+    dimension are held whole by every fast device (``P()``).
+
+    Args:
+      params: pytree of arrays (one worker's parameters, no worker axis) or
+        ``jax.ShapeDtypeStruct``.
+      mesh: a 2-D mesh (:func:`make_2d_mesh`).
+      fast_axis: the mesh axis to shard over.
+      min_size: leaves with fewer elements stay whole, an int >= 1.
+
+    Returns:
+      A tree like ``params`` of ``PartitionSpec`` (``P()``: whole), for :func:`replicate`,
+      :func:`init_worker_state` and :func:`data_parallel_step`'s ``specs=``.
+
+    Raises:
+      ValueError: ``fast_axis`` not an axis of ``mesh``, or ``min_size`` < 1.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> mesh = make_2d_mesh(2, 4)
+      >>> fsdp_specs({"w": jnp.zeros((1024, 6)), "b": jnp.zeros(6)}, mesh)
+      {'b': P(), 'w': P('fast', None)}
+    """
+    _check_axis(mesh, fast_axis)
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+    f = mesh.shape[fast_axis]
+
+    def rule(x):
+        shape = tuple(np.shape(x))
+        if int(np.prod(shape, dtype=np.int64)) < min_size or not shape:
+            return P()
+        best = max((d for d in range(len(shape)) if shape[d] % f == 0), key=lambda d: (shape[d], -d), default=None)
+        if best is None:
+            return P()
+        return P(*([None] * best + [fast_axis] + [None] * (len(shape) - best - 1)))
+
+    return jax.tree.map(rule, params)
 
 
 def data_parallel_step(
@@ -241,6 +445,7 @@ def data_parallel_step(
     *,
     axis_name: str = "data",
     fast_axis: str | None = None,
+    specs: Any = None,
     has_aux: bool = False,
     rng: bool = False,
     donate: bool = False,
@@ -259,7 +464,19 @@ def data_parallel_step(
     (the slow axis), compresses only what crosses between hosts.  The workers of
     one fast row then hold the same gradients, compressor states and
     parameters.  With equal local batches this equals a 1-D run over the slow
-    axis alone whose workers each take their row's whole batch.
+    axis alone whose workers each take their row's whole batch.  Each fast
+    device sends ``1/fast`` of its host's compressed payload over the slow
+    axis (:mod:`compjax.collectives`), so the slow link carries it once per host.
+
+    With ``specs`` (sharded parameters, FSDP), parameters and state are laid
+    out by :func:`replicate` / :func:`init_worker_state` with the same
+    ``specs``: the worker axis runs over ``axis_name`` only and each device
+    holds a shard.  Each step all-gathers the parameters over the fast axis for
+    ``loss_fn`` (inside the host), takes the gradient with respect to the
+    shards (a reduce-scatter: the fast-axis sum, divided by its size: the
+    host's mean gradient, as in the replicated layout), and ``tx`` updates each
+    device's shard; its compressors see whole layers (:mod:`compjax.layout`),
+    so the numbers equal the replicated 2-D layout's.
 
     A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
     is :func:`worker_step` over it.
@@ -271,7 +488,9 @@ def data_parallel_step(
       mesh: mesh with axis ``axis_name`` (n workers), or a 2-D mesh.
       axis_name: the data axis (the slow axis of a 2-D mesh).
       fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
-        mesh.
+        mesh (with ``specs``: the axis they name).
+      specs: None, or a tree like the parameters (without the worker axis) of
+        ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
         worker's ``aux`` too (e.g. logits or an accuracy).
       rng: the step takes a PRNG key (typed or raw, one for all workers) and
@@ -290,12 +509,15 @@ def data_parallel_step(
 
     Raises:
       ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``,
-        or a flag (``has_aux``, ``rng``, ``donate``) not a bool.
+        or a flag (``has_aux``, ``rng``, ``donate``) not a bool; at the first
+        call, ``specs`` that do not fit the parameters (named by leaf).
     """
     _check_axis(mesh, axis_name)
     _check_flags(has_aux=has_aux, rng=rng, donate=donate)
     if fast_axis is not None:
         _check_axis(mesh, fast_axis)
+    if specs is not None:
+        return _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate)
     axes = _worker_axes(mesh, axis_name, fast_axis)[1]
     spec = P(axes)
 
@@ -312,7 +534,10 @@ def data_parallel_step(
         loss, aux = out if has_aux else (out, None)
         if fast_axis is not None:
             grads = _fast_mean(grads, fast_axis)
-        updates, opt_state = tx.update(grads, opt_state, params)
+            with layout.fast_layout(fast_axis):  # one host's devices share the slow-axis payload
+                updates, opt_state = tx.update(grads, opt_state, params)
+        else:
+            updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         outs = (params, opt_state, loss) + ((aux,) if has_aux else ())
         return jax.tree.map(stack, outs)
@@ -334,6 +559,88 @@ def data_parallel_step(
         params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
     step.jitted = jitted
     return step
+
+
+def _keyed(jitted: Callable, mesh: Mesh) -> Callable:
+    """``step(params, opt_state, batch, key)`` checking the key and placing it on every device."""
+    def step(params, opt_state, batch, key):
+        if not all(workers.is_key(k) for k in jax.tree.leaves(key)) or not jax.tree.leaves(key):
+            raise ValueError(f"key must be a PRNG key (jax.random.key(seed) or a raw uint32[2] key), got {key!r}")
+        return jitted(params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
+
+    step.lower = lambda params, opt_state, batch, key: jitted.lower(
+        params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
+    step.jitted = jitted
+    return step
+
+
+def _logical(tree: Any) -> Any:
+    """Shapes and dtypes of a worker-stacked tree without its worker axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)), tree)
+
+
+def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate) -> Callable[..., tuple]:
+    """:func:`data_parallel_step` over parameters sharded by ``specs`` (built at the first call, per tree)."""
+    cache: dict = {}
+
+    def build(params, opt_state):
+        logical = _logical(params)
+        leaf_specs = _leaf_specs(logical, specs, mesh, axis_name)
+        dims, named = _shard_dims(leaf_specs)
+        fast = fast_axis or named
+        if fast is None:
+            raise ValueError("specs shard no leaf: pass fast_axis= (or drop specs= for the replicated 2-D layout)")
+        if named is not None and named != fast:
+            raise ValueError(f"specs shard over {named!r} but fast_axis={fast!r}")
+        treedef = jax.tree.structure(logical)
+        pspecs = jax.tree.unflatten(treedef, [_stacked_spec(axis_name, s) for s in leaf_specs])
+        sspecs = jax.tree.map(lambda s: _stacked_spec(axis_name, s),
+                              state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
+                              is_leaf=lambda x: isinstance(x, P))
+        per_device = P((axis_name, fast))
+        size = mesh.shape[fast]
+
+        def whole(ps):
+            leaves = jax.tree.leaves(ps)
+            with collectives.uncounted():  # the forward pass's parameters, inside the host
+                out = [x if d is None else jax.lax.all_gather(x, fast, axis=d, tiled=True)
+                       for x, d in zip(leaves, dims)]
+            return jax.tree.unflatten(treedef, out)
+
+        def body(params, opt_state, batch, *key):
+            params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+            args = (batch, workers.fold_worker(key[0], (axis_name, fast))) if rng else (batch,)
+            out, grads = jax.value_and_grad(lambda ps, *a: loss_fn(whole(ps), *a), has_aux=has_aux)(params, *args)
+            loss, aux = out if has_aux else (out, None)
+            # Through the all-gather (sharded leaves) and the implicit broadcast (whole ones), the gradient
+            # is the sum over the host's devices: divide by their number for the host's mean.
+            grads = jax.tree.map(lambda g: g / jnp.asarray(size, g.dtype)
+                                 if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+            with layout.fast_layout(fast, grads, dims):
+                updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            outs = (params, opt_state, loss) + ((aux,) if has_aux else ())
+            return jax.tree.map(lambda x: x[None], outs)
+
+        out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, sspecs, per_device) + ((P(),) if rng else ()),
+                                out_specs=out_specs)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(sharded, donate_argnums=(0, 1) if donate else (), out_shardings=shardings)
+
+    def get(params, opt_state):
+        key = (jax.tree.structure((params, opt_state)),
+               tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves((params, opt_state))))
+        if key not in cache:
+            cache[key] = build(params, opt_state)
+        return cache[key]
+
+    def jitted(params, opt_state, batch, *key):
+        return get(params, opt_state)(params, opt_state, batch, *key)
+
+    jitted.lower = lambda params, opt_state, batch, *key: get(params, opt_state).lower(params, opt_state, batch, *key)
+    jitted._cache_size = lambda: sum(f._cache_size() for f in cache.values())  # compilations, as jax.jit's
+    return _keyed(jitted, mesh) if rng else jitted
 
 
 def _fast_mean(grads: Any, fast_axis: str) -> Any:

@@ -92,6 +92,8 @@ SHORTCUTS = (
     ("--workers", "workers", int, "data-parallel workers (off: every device)"),
     ("--mesh", "mesh", str, ("SLOWxFAST, e.g. 2x4: averaged densely over FAST (inside a host), compressed "
                              "over SLOW (between hosts)")),
+    ("--fsdp", "fsdp", None, ("with --mesh: shard parameters, optimizer and compressor state over FAST "
+                              "(parallel.fsdp_specs); the same numbers as without, 1/FAST of the state per device")),
     ("--max-steps", "max_steps", int, "stop after this many steps"),
     ("--train-limit", "train_limit", int, "use only the first N training images"),
     ("--no-skip-nonfinite", "skip_nonfinite", "off",
@@ -243,6 +245,8 @@ def check(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> None:
         fail(key, config_cli.get(config, key), err)
     if config.train_limit is not None and config.train_limit < config.batch_size:
         fail("train_limit", config.train_limit, f"must be at least the batch size ({config.batch_size}) for one step")
+    if config.fsdp and config.mesh is None:
+        raise SystemExit("--fsdp shards over the fast axis of a 2-D mesh: give --mesh SLOWxFAST too")
     if config.mesh is not None:
         parse_mesh(config.mesh)
         if config.workers is not None:

@@ -53,3 +53,13 @@ def test_existing_loop_recipes_are_the_example_programs():
                         re.DOTALL | re.MULTILINE).group(1)
     blocks = re.findall(r"^```python\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
     assert blocks == [inspect.getsource(m.train) for m in (linen_resnet_compjax, nnx_cnn_compjax)]
+
+
+def test_sharded_parameters_block_prints_what_the_readme_says(capsys):
+    """The FSDP block of "Resuming and running across hosts" runs and prints the line the README quotes."""
+    section = re.search(r"^## Resuming and running across hosts\n(.*?)(?=^## )", README.read_text(),
+                        re.DOTALL | re.MULTILINE).group(1)
+    (block,) = re.findall(r"^```python\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    printed = run_block(block, "README sharded parameters", capsys).strip()
+    quoted = re.search(r"^prints `([^`]*)`", section, re.MULTILINE).group(1)
+    assert printed == quoted

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import bytecount, collectives
+from compjax import bytecount, collectives, layout
 from compjax._checks import check_range
 from compjax.collectives import AxisName
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
@@ -260,16 +260,18 @@ def diloco(
             payload_bytes=bytecount.zeros(),
         )
 
-    def exchange(delta: Sequence, anchor: Sequence, outer_state, comm_state):
-        mean, comm_state = comm_tx.update(list(delta), comm_state)
+    def exchange(delta: Sequence, anchor: Sequence, outer_state, comm_state, dims):
+        with layout.for_leaves(delta, dims):  # sharded parameters: which of the fragment's leaves are shards
+            mean, comm_state = comm_tx.update(list(delta), comm_state)
         step, outer_state = outer_tx.update([m.astype(a.dtype) for m, a in zip(mean, anchor)], outer_state, anchor)
         return optax.apply_updates(list(anchor), step), outer_state, comm_state
 
-    def fragment_sync(due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix):
+    def fragment_sync(due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix, dims):
         """One fragment's ``lax.cond``: exchange ``sent`` and move the global and local parameters, or wait."""
 
         def sync(_):
-            new, o_st, c_st = exchange(sent, anchor, outer_state, comm_state)
+            new, o_st, c_st = exchange(sent, anchor, outer_state, comm_state,
+                                       None if dims is None else [dims[i] for i in idx])
             merged = new if mix is None else [mix * x + (1 - mix) * n for x, n in zip(local, new)]
             ups = [(m - p_leaves[i].astype(m.dtype)).astype(u_leaves[i].dtype) for m, i in zip(merged, idx)]
             return collectives.match_varying((ups, new, o_st, c_st), (own, anchor, outer_state, comm_state))
@@ -285,11 +287,13 @@ def diloco(
                 "diloco's update needs the worker's local parameters: call tx.update(grads, state, params) "
                 "(optax.chain passes them on when it is given them)"
             )
+        dims = layout.shard_dims_for(grads, "cj.diloco")
         updates, inner_state = inner_tx.update(grads, state.inner, params, **extra_args)
         skipped = state.skipped
         if skip_nonfinite:
             checked = [g for g in jax.tree.leaves(grads) if is_compressible(g)]
             bad = any_nonfinite(checked) if checked else jnp.bool_(False)
+            bad = collectives.any_over_fast(bad)  # sharded parameters: one host's shards skip together
             updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
             inner_state = jax.tree.map(lambda n, o: jnp.where(bad, o, n), inner_state, state.inner)
             skipped = skipped + bad.astype(jnp.int32)
@@ -311,7 +315,7 @@ def diloco(
                 due = (s - tau >= 1) & ((s - tau - offsets[p]) % H == 0)
                 sent, mix = state.pending[p], alpha
             ups, new_anchor, outer_state, comm_state = fragment_sync(
-                due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix)
+                due, sent, local, anchor, outer_state, comm_state, own, idx, p_leaves, u_leaves, mix, dims)
             pending = None
             if tau:
                 # A new synchronization starts after this step: keep its outer gradient (Δ from the anchor

@@ -35,6 +35,12 @@ transformation:
   whichever branch produced it, so the transform composes with ``lax.cond``,
   ``optax.apply_if_finite``, ``optax.MultiSteps`` and friends.
 * **Byte counts** are exact at any size (:mod:`compjax.bytecount`).
+* **Sharded parameters.** Inside a step whose parameters are sharded over a
+  fast mesh axis (:mod:`compjax.layout`, ``specs=`` in :mod:`compjax.parallel`),
+  the sharded gradient leaves and per-parameter fields are all-gathered over
+  the fast axis (inside the host) before the exchange and each device keeps
+  its own shard of the results: every statistic is the whole layer's, so the
+  numbers are those of the replicated layout, and the state stays sharded.
 
 State layout: the compressor's own fields, then ``count`` (int32: updates
 applied), ``skipped`` (int32: steps skipped for non-finite gradients) and
@@ -53,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import bytecount, collectives
+from compjax import bytecount, collectives, layout
 from compjax._checks import check_same_tree
 from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
@@ -167,6 +173,52 @@ def _put(tree: Any, sel: Sequence[int], part: Sequence) -> Any:
 def _like(new: Any, old: Any) -> Any:
     """``new`` with the dtype and the varying mesh axes of ``old``, leaf by leaf."""
     return jax.tree.map(lambda n, o: collectives.like_varying(jnp.asarray(n).astype(o.dtype), o), new, old)
+
+
+def _gather_shard(x: jnp.ndarray, dim: int | None, fast: str) -> jnp.ndarray:
+    """The whole layer of which ``x`` is this device's shard along ``dim`` (all-gathered over ``fast``)."""
+    return x if dim is None else collectives.gather_inside_host(x, fast, dim)
+
+
+def _own_shard(x: jnp.ndarray, dim: int | None, fast: str) -> jnp.ndarray:
+    """This device's shard along ``dim`` of a whole layer ``x`` (the inverse of :func:`_gather_shard`)."""
+    if dim is None:
+        return x
+    per = x.shape[dim] // int(jax.lax.axis_size(fast))
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(fast).astype(jnp.int32) * per, per, axis=dim)
+
+
+def _map_dims(fn: Callable, tree: Any, dims: Sequence, fast: str) -> Any:
+    """``fn(leaf, dim, fast)`` over the leaves of ``tree``, ``dims`` one per leaf (flatten order)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [fn(x, d, fast) for x, d in zip(leaves, dims)])
+
+
+def _field_dims(old: dict, trees: Sequence[str], dims: list, init_fields: Callable | None, xs: list,
+                shard_xs: list, fast: str) -> dict:
+    """The shard dimension of every leaf of the state fields, one flat list per field (None: held whole).
+
+    Per-parameter fields (``trees``) are shaped like the leaves.  Any other
+    field's leaf is a shard along the one dimension in which ``init_fields``
+    builds it ``fast`` times larger for the whole layers than for the shards
+    (``compjax.layout.scaled_dims``: delayed averaging's history, PowerSGD's
+    ``Q`` when the sharded dimension is among its rows), the rule
+    :func:`compjax.parallel.state_specs` lays the state out by.
+    """
+    out = {name: list(dims) for name in trees if old[name] is not None}
+    plain = [f for f in old if f not in out and jax.tree.leaves(old[f])]
+    if plain and init_fields is not None:
+        def fields_of(leaves):
+            made = init_fields(list(leaves))
+            return tuple(made[f] for f in plain)
+
+        flat = layout.scaled_dims(fields_of, xs, shard_xs, int(jax.lax.axis_size(fast)))
+        at = 0
+        for f in plain:
+            n = len(jax.tree.leaves(old[f]))
+            out[f] = flat[at: at + n]
+            at += n
+    return out
 
 
 def _bound_axes() -> tuple:
@@ -320,6 +372,14 @@ def compressor(
                         f"gradient leaves {bad_ref} are floating point but the {name} built by init holds "
                         "integer leaves there: was the state built for other parameters?"
                     )
+        dims = layout.shard_dims_for(updates, who)
+        if dims is not None:  # sharded parameters: whole layers in, this device's shards out (at the end)
+            fast, dims = layout.current().axis, [dims[i] for i in sel]
+            shard_xs = xs
+            xs = [_gather_shard(x, d, fast) for x, d in zip(xs, dims)]
+            fdims = _field_dims(old, trees, dims, init_fields, xs, shard_xs, fast)
+            shards = {name: old[name] for name in fdims}
+            old = {**old, **{name: _map_dims(_gather_shard, old[name], fd, fast) for name, fd in fdims.items()}}
         if not xs:  # nothing to send
             nbytes, new = 0, old
             outs, count, skipped = [], state.count + 1, state.skipped
@@ -338,7 +398,11 @@ def compressor(
                 ps = list(xs)
             else:
                 ps = [jnp.where(bad, jnp.zeros_like(x), x) for x in xs]
-            out = exchange(ps, old, ctx)
+            if dims is not None:  # whole layers from here on: a compressor nested in this one gathers nothing
+                with layout.fast_layout(fast):
+                    out = exchange(ps, old, ctx)
+            else:
+                out = exchange(ps, old, ctx)
             outs = [m.astype(x.dtype) for m, x in zip(out.means, xs)]
             nbytes = bytecount.constant(out.nbytes) if isinstance(out.nbytes, int) else out.nbytes
             changed = {f: _like(v, old[f]) for f, v in out.fields.items()}
@@ -364,6 +428,10 @@ def compressor(
                 new["residual"] = ef.remainder(ps, sent)
             outs = [collectives.like_varying(o, x) for o, x in zip(outs, xs)]
             new = _like(new, old)
+        if dims is not None:
+            outs = [collectives.like_varying(_own_shard(o, d, fast), x) for o, d, x in zip(outs, dims, shard_xs)]
+            for name, fd in fdims.items():
+                new[name] = _like(_map_dims(_own_shard, new[name], fd, fast), shards[name])
         nbytes = bytecount.constant(nbytes) if isinstance(nbytes, int) else nbytes
         fields = dict(new)
         for name in trees:

@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0  # model initialization and data order
     c.workers = config_dict.placeholder(int)  # None: every device
     c.mesh = config_dict.placeholder(str)  # "SLOWxFAST": dense over the fast axis, compressed over the slow
+    c.fsdp = False  # with a mesh: parameters and state sharded over the fast axis (parallel.fsdp_specs)
     c.skip_nonfinite = True  # every worker skips a step in which any worker's gradient is not finite
     c.poison_step = config_dict.placeholder(int)  # put a NaN into one worker's batch at this step (tests)
     c.poison_worker = config_dict.placeholder(int)  # that worker (default 0)

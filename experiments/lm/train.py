@@ -52,6 +52,7 @@ from compjax import parallel
 from experiments.lm import data, model
 
 AXIS = "data"
+FAST = "fast"  # the fast axis of a 2-D mesh (mesh=)
 
 
 def _payload(opt_state) -> int | None:
@@ -94,6 +95,8 @@ def train(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     text: str | None = None,
+    mesh: str | None = None,
+    fsdp: bool = False,
 ) -> dict:
     """Train :class:`~experiments.lm.model.CharTransformer` on ``workers`` data-parallel workers.
 
@@ -121,6 +124,12 @@ def train(
         (e.g. ``print``); None: silent.
       text: the corpus (default: :func:`experiments.lm.data.load_text`, which
         checks the sha256); any text works (the vocabulary is built from it).
+      mesh: ``"SLOWxFAST"`` (e.g. ``"2x4"``): a 2-D mesh of ``SLOW * FAST``
+        devices (``workers`` is then ignored: each device takes
+        ``batch_per_worker`` windows), gradients averaged densely over FAST and
+        compressed over SLOW; the transform is built with the slow axis.
+      fsdp: with ``mesh``, parameters and optimizer state sharded over FAST
+        (``parallel.fsdp_specs``): the same numbers, 1/FAST of the state per device.
 
     Returns:
       A JSON-serialisable dict:
@@ -157,7 +166,8 @@ def train(
     Raises:
       ValueError: ``workers`` not in ``[1, len(jax.devices())]``, ``seq_len``
         longer than the model's context, ``steps``, ``eval_every``,
-        ``eval_batches`` or ``batch_per_worker`` < 1.
+        ``eval_batches`` or ``batch_per_worker`` < 1, ``mesh`` not
+        ``SLOWxFAST``, ``fsdp`` without ``mesh``.
 
     Examples:
       >>> import optax, compjax as cj
@@ -174,7 +184,18 @@ def train(
     cfg = model.config(model_config)
     if seq_len > cfg["seq_len"]:
         raise ValueError(f"seq_len={seq_len} is longer than the model's context {cfg['seq_len']}")
-    mesh = parallel.make_mesh(workers, AXIS)  # the first `workers` devices
+    if fsdp and mesh is None:
+        raise ValueError("fsdp=True shards over the fast axis of a 2-D mesh: give mesh='SLOWxFAST' too")
+    fast_axis, mesh_text = (None, None) if mesh is None else (FAST, mesh)
+    if mesh is None:
+        mesh = parallel.make_mesh(workers, AXIS)  # the first `workers` devices
+    else:
+        try:
+            slow, fast = (int(v) for v in mesh.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"mesh must be 'SLOWxFAST' with two integers, e.g. '2x4', got {mesh!r}") from None
+        mesh = parallel.make_2d_mesh(slow, fast, slow_axis=AXIS, fast_axis=FAST)
+        workers = slow * fast  # one batch per device
 
     text = data.load_text() if text is None else text
     vocab = data.Vocab.from_text(text)
@@ -184,17 +205,19 @@ def train(
     params, _, loss_fn = model.build(cfg, vocab.size, seed)
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     tx = make_tx(AXIS)
-    p = parallel.replicate(params, mesh, AXIS)
-    s = parallel.init_worker_state(tx, params, mesh, AXIS)
+    specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST) if fsdp else None
+    p = parallel.replicate(params, mesh, AXIS, fast_axis=fast_axis, specs=specs)
+    s = parallel.init_worker_state(tx, params, mesh, AXIS, fast_axis=fast_axis, specs=specs)
     payload_counted = _payload(s) is not None
     diloco = holds_diloco_state(s)
-    step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, donate=True)
+    step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=fast_axis, specs=specs,
+                                       donate=True)
     evaluate = make_evaluator(loss_fn)
 
     config = {"model_config": cfg, "steps": steps, "workers": workers, "batch_per_worker": batch_per_worker,
               "seq_len": seq_len, "eval_every": eval_every, "eval_batches": eval_batches, "seed": seed,
               "num_params": num_params, "vocab": vocab.size, "backend": jax.default_backend(),
-              "devices": [int(d.id) for d in mesh.devices.flat]}
+              "devices": [int(d.id) for d in mesh.devices.flat], "mesh": mesh_text, "fsdp": bool(fsdp)}
     res = {"config": config, "train_loss": [], "payload_bytes": [], "payload_counted": payload_counted,
            "eval_step": [], "val_loss_worker0": [], "val_loss_mean": [], "val_loss_global": [] if diloco else None,
            "param_spread": [], "step_seconds": []}
@@ -219,7 +242,8 @@ def train(
                 f"{res['payload_bytes'][-1] if res['payload_bytes'] else 0:,} B/step/worker")
 
     validate(0)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS, None, None))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        AXIS if fast_axis is None else (AXIS, FAST), None, None))
     for i, batch in enumerate(data.batches(train_tokens, workers, batch_per_worker, seq_len, seed)):
         if i == steps:
             break
@@ -246,6 +270,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="tiny", choices=sorted(model.CONFIGS))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--mesh", default=None, help="SLOWxFAST (e.g. 2x4): dense over FAST, compressed over SLOW")
+    ap.add_argument("--fsdp", action="store_true", help="with --mesh: shard parameters and state over FAST")
     ap.add_argument("--batch-per-worker", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
@@ -263,7 +289,8 @@ def main(argv=None) -> dict:
     res = train(lambda ax: optax.chain(cj.identity(axis_name=ax), optax.adamw(args.lr)), text=text,
                 model_config=args.model, steps=args.steps, workers=args.workers,
                 batch_per_worker=args.batch_per_worker, seq_len=args.seq_len, eval_every=args.eval_every,
-                eval_batches=args.eval_batches, seed=args.seed, log=lambda m: print(m, flush=True))
+                eval_batches=args.eval_batches, seed=args.seed, log=lambda m: print(m, flush=True),
+                mesh=args.mesh, fsdp=args.fsdp)
     after = res["step_seconds"][1:] or res["step_seconds"]
     print(f"{res['config']['num_params']:,} params | first step {res['step_seconds'][0]:.2f} s | "
           f"median step {np.median(after) * 1e3:.1f} ms | wall {res['wall_s']:.1f} s | "

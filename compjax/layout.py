@@ -1,0 +1,165 @@
+"""The two-level layout of the step being traced: the fast axis, and which gradient leaves are shards.
+
+On a ``slow x fast`` mesh (:func:`compjax.parallel.make_2d_mesh`) the
+compressors run over the slow axis, but the step builders of
+:mod:`compjax.parallel` know more than the compressor does: the fast axis
+inside each host, and (sharded parameters, ``specs=``) which gradient leaves
+are each device's shard of a layer, along which dimension.  They say so here,
+at trace time, around the optimizer's ``update``:
+
+* :mod:`compjax.collectives` splits every slow-axis payload over the host's
+  fast devices (each sends ``1/fast`` of it, then the pieces are all-gathered
+  over the fast axis), so the slow link carries a host's payload once, not
+  ``fast`` times; the non-finite vote spans both axes.
+* :func:`compjax.compressors.base.compressor` all-gathers the sharded
+  gradient leaves and per-parameter state (residuals, DGC's velocity) over
+  the fast axis before its exchange and keeps its own shard of the results:
+  per-layer statistics (a top-k threshold, 1-bit column scales, PowerSGD's
+  factors, a clipping norm) are those of the whole layer, exactly as in the
+  replicated layout, while the state stays sharded between steps.
+
+Nothing here issues a collective; outside such a step :func:`current` is None
+and compjax behaves as on a one-level mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = ["FastLayout", "current", "fast_layout", "for_leaves", "scaled_dims", "shard_dims_for"]
+
+
+class FastLayout(NamedTuple):
+    """The fast axis of the step being traced and the shard dimension of each gradient leaf.
+
+    Attributes:
+      axis: the fast mesh axis (devices inside one host), bound by the enclosing ``shard_map``.
+      treedef: the gradients' tree structure, or None (replicated layout: no leaf is a shard).
+      dims: one entry per gradient leaf (flatten order): the dimension along which the
+        leaf is sharded over ``axis``, or None for a leaf every fast device holds whole.
+    """
+
+    axis: str
+    treedef: Any = None
+    dims: tuple = ()
+
+
+_STATE = threading.local()
+
+
+def current() -> FastLayout | None:
+    """The layout set by the enclosing :func:`fast_layout`, or None."""
+    return getattr(_STATE, "layout", None)
+
+
+@contextlib.contextmanager
+def fast_layout(axis: str, grads: Any = None, dims: Sequence | None = None) -> Iterator[FastLayout]:
+    """Declare, while tracing a step's ``update``, the fast axis and which gradient leaves are shards.
+
+    Args:
+      axis: the fast mesh axis.
+      grads: the gradient tree the optimizer receives (its structure is kept), or None.
+      dims: with ``grads``, one shard dimension (int) or None per leaf of ``grads``.
+
+    Yields:
+      the :class:`FastLayout` in force.
+
+    Raises:
+      ValueError: ``dims`` given without ``grads`` or of another length than its leaves.
+    """
+    treedef, entries = None, ()
+    if grads is not None:
+        leaves, treedef = jax.tree.flatten(grads)
+        entries = tuple(dims) if dims is not None else (None,) * len(leaves)
+        if len(entries) != len(leaves):
+            raise ValueError(f"dims has {len(entries)} entries for {len(leaves)} gradient leaves")
+    elif dims is not None:
+        raise ValueError("dims needs the gradient tree it describes (grads=)")
+    previous = current()
+    _STATE.layout = FastLayout(axis, treedef, entries)
+    try:
+        yield _STATE.layout
+    finally:
+        _STATE.layout = previous
+
+
+@contextlib.contextmanager
+def for_leaves(leaves: Sequence, dims: Sequence | None) -> Iterator[FastLayout | None]:
+    """Re-declare the layout for a list of leaves (a part of the gradients), e.g. one fragment of DiLoCo.
+
+    Outside a two-level step (no layout in force) nothing changes.
+
+    Args:
+      leaves: the leaves a nested transform will receive, as a list.
+      dims: their shard dimensions (None entries: whole), or None: none is a shard.
+    """
+    lay = current()
+    if lay is None:
+        yield None
+        return
+    with fast_layout(lay.axis, list(leaves), None if dims is None else list(dims)) as new:
+        yield new
+
+
+def shard_dims_for(tree: Any, who: str) -> tuple | None:
+    """The shard dimension of each leaf of ``tree`` under the current layout (None entries: whole leaves).
+
+    Returns None outside a sharded layout (no layout, or a replicated one).
+
+    Raises:
+      ValueError: a sharded layout is in force and ``tree`` does not have the
+        structure of the gradients it describes (e.g. a compressor inside
+        ``optax.masked``, which sees part of the tree): ``who`` is named.
+    """
+    lay = current()
+    if lay is None or lay.treedef is None or not any(d is not None for d in lay.dims):
+        return None
+    treedef = jax.tree.structure(tree)
+    if treedef != lay.treedef:
+        raise ValueError(
+            f"{who} runs on sharded parameters but receives a gradient tree of another structure than the "
+            f"step's ({treedef} vs {lay.treedef}): under specs= a compressor must see the whole gradient tree "
+            "(put it first in the chain, not inside optax.masked or optax.multi_transform)"
+        )
+    return lay.dims
+
+
+def scaled_dims(init: Any, whole: Any, shards: Any, fast: int) -> list:
+    """Which leaves of a state are shards: built for the whole layers and for the shards, what scales.
+
+    ``init`` is evaluated abstractly (``jax.eval_shape``) on the whole leaves
+    and on one device's shards.  A state leaf (matched by its key path) whose
+    shape differs in exactly one dimension, ``fast`` times larger for the whole
+    layers, is a shard along that dimension (optimizer moments, residuals, a
+    history of ``(slots, *shape)``, PowerSGD's ``Q`` when the sharded dimension
+    is among the columns); every other leaf (the same shape, no counterpart,
+    any other change) is held whole by every fast device (None).  This one
+    rule lays the step's state out (:func:`compjax.parallel.state_specs`) and
+    tells the compressors which state fields to gather.
+
+    Args:
+      init: ``init(tree) -> state``.
+      whole, shards: the same tree of arrays (or ``jax.ShapeDtypeStruct``),
+        whole and as one device's shards.
+      fast: the fast axis size.
+
+    Returns:
+      One entry per leaf of ``init(whole)`` (flatten order): an int dimension or None.
+    """
+    def struct(x):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+    full = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, jax.tree.map(struct, whole)))[0]
+    part = dict(jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, jax.tree.map(struct, shards)))[0])
+    out = []
+    for path, a in full:
+        b = part.get(path)
+        diff = [] if b is None or len(a.shape) != len(b.shape) else \
+            [d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        out.append(diff[0] if len(diff) == 1 and a.shape[diff[0]] == fast * b.shape[diff[0]] else None)
+    return out

@@ -1,0 +1,76 @@
+"""The shared battery's sharded case: every registered transform on a 2 x 4 mesh with parameters sharded over the
+fast axis (``specs=``, shard_map over both axes) equals the replicated 2-D layout, and its slow-link bytes are the
+host's payload once.
+
+Leaves: ``w1`` sharded along its columns, ``b1`` along its one dimension, ``w2`` along its rows, ``b2`` of size 3
+(4 does not divide it: kept whole) and a scalar ``s`` (whole).  Five steps of each layout from the same batches;
+parameters and ``payload_bytes`` must agree (1e-6).  In the compiled sharded step (the very program that ran:
+``audit_collectives`` of the compiled executable), the collectives compjax counts run over the slow axis only and,
+summed over one host's four devices, equal ``payload_bytes`` per worker (for transforms whose program has one path:
+the others' programs also hold the collectives of the steps they do not take); over the fast axis there are only
+all-gathers, reduce-scatters and small all-reduces (the host's non-finite vote).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from registry import CASES
+
+import compjax as cj
+from compjax import parallel
+
+SLOW, FAST = 2, 4
+
+
+def loss(p, batch):
+    x, y = batch
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] + p["s"] - y) ** 2)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sharded_layout_equals_the_replicated_2d_layout_and_sends_the_payload_once_per_host(name):
+    case = CASES[name]
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    rng = np.random.default_rng(0)
+    init = {"w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.3, jnp.float32), "b1": jnp.zeros(16),
+            "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.3, jnp.float32), "b2": jnp.zeros(3), "s": jnp.zeros(())}
+    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
+               for _ in range(5)]
+    specs = parallel.fsdp_specs(init, mesh, min_size=1)
+    assert [specs[k] for k in ("b2", "s")] == [jax.P(), jax.P()] and all(specs[k] != jax.P() for k in ("w1", "b1", "w2"))
+    tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))
+
+    rp = parallel.replicate(init, mesh, fast_axis="fast")
+    rs = parallel.init_worker_state(tx, init, mesh, fast_axis="fast")
+    sp = parallel.replicate(init, mesh, specs=specs)
+    ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
+    first = parallel.shard_batch(batches[0], mesh, fast_axis="fast")
+    replicated = parallel.data_parallel_step(loss, tx, mesh, fast_axis="fast")
+    sharded = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, first).compile()
+    for b in batches:
+        b = parallel.shard_batch(b, mesh, fast_axis="fast")
+        rp, rs, _ = replicated(rp, rs, b)
+        sp, ss, _ = sharded(sp, ss, b)
+
+    got, want = parallel.gather(sp), parallel.gather(rp)
+    for k in init:
+        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    assert sp["w1"].addressable_shards[0].data.shape == (1, 6, 16 // FAST)
+    sent = np.asarray(cj.payload_bytes(ss))
+    np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs))[::FAST])
+
+    ops = cj.audit_collectives(sharded)
+    counted = cj.accounting.bytes_by_axes(ops, mesh, "compjax")
+    assert set(counted) <= {("data",)}, counted
+    if not case.one_path:  # one path: the program's collectives are exactly this step's (else: every branch's)
+        assert counted.get(("data",), 0) * FAST == int(sent[0])
+    inside = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",)]
+    assert all(op.op in ("all-gather", "reduce-scatter") or (op.op == "all-reduce" and op.bytes <= 64)
+               for op in inside), [(op.op, op.bytes) for op in inside if op.op != "all-gather"]
+    assert {op.op for op in inside} >= {"all-gather", "reduce-scatter"}
+    assert all(cj.accounting.collective_axes(op, mesh) in (("data",), ("fast",)) for op in ops)
