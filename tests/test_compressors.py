@@ -283,3 +283,25 @@ def test_sparse_guard_adds_no_select_over_the_dense_means(make):
     shapes = list(selects(jax.make_jaxpr(tx.update)(g, tx.init(g)).jaxpr))
     assert shapes, "no select at all: the walk missed the program's sub-jaxprs"
     assert not [s for s in shapes if s in ((100, 100), (40,))], shapes
+
+
+def test_sparse_exchanges_trace_for_models_past_two_to_the_31_entries():
+    """Three float32 leaves of 1.34e9 entries each (4.0e9 in all, abstract: nothing allocated): top-k and DGC
+    trace, their int32 wire indices counted from each segment's start (offsets from the model's start would pass
+    2**31 and overflow)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import compjax as cj
+    from compjax import parallel
+
+    mesh = parallel.make_mesh(2)
+    n = 2**30 + 2**28
+    g = {k: jax.ShapeDtypeStruct((n,), jnp.float32) for k in "abc"}
+    for tx in (cj.topk(0.001, axis_name="data"), cj.dgc(0.001, axis_name="data")):
+        state = jax.eval_shape(tx.init, g)
+        update = jax.shard_map(lambda g, s, tx=tx: tx.update(g, s, g)[0], mesh=mesh, in_specs=P(), out_specs=P(),
+                               check_vma=False)
+        out = jax.eval_shape(update, g, state)
+        assert out["c"].shape == (n,)

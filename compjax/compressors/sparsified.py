@@ -89,15 +89,18 @@ def sparse_layers_mean(
     pairs = select_all(list(leaves)) if select_all is not None else [select(i, x) for i, x in enumerate(leaves)]
     idx_parts = [idx.astype(jnp.int32) for idx, _ in pairs]
     val_parts = [val.astype(dtype) for _, val in pairs]
-    indices = jnp.concatenate([idx + off for idx, off in zip(idx_parts, bucket.offsets)])
+    groups = chunks(bucket.sizes)
+    # Indices on the wire count from the start of their segment (a few MB of layers), not of the whole
+    # model: int32 holds them however large the model (offsets past 2**31 would overflow).
+    base = {i: bucket.offsets[g[0]] for g in groups for i in g}
+    indices = jnp.concatenate([idx + (bucket.offsets[i] - base[i]) for i, idx in enumerate(idx_parts)])
     values = jnp.concatenate(val_parts)
     if skip is not None:
         values = jnp.where(skip, jnp.zeros_like(values), values)
     pair_at = [0]
     for idx in idx_parts:
         pair_at.append(pair_at[-1] + int(idx.size))
-    groups = chunks(bucket.sizes)
-    segments = [(pair_at[g[0]], pair_at[g[-1] + 1], bucket.offsets[g[0]],
+    segments = [(pair_at[g[0]], pair_at[g[-1] + 1], 0,
                  bucket.offsets[g[-1]] + bucket.sizes[g[-1]] - bucket.offsets[g[0]]) for g in groups]
     dense, nbytes = collectives.sparse_mean_segments(indices, values, segments, axis_name)
     means: list[jnp.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
