@@ -270,6 +270,25 @@ register(
     (Option("--dtype", str, "bfloat16", "cast: payload dtype", ("bfloat16", "float16")),),
     lambda a, ax, **kw: _cj().cast(a.dtype, axis_name=ax, **kw),
 )
+register(
+    "chunktopk",  # SparseLoCo's / DeMo's wire: top-k of each tile, quantized values, packed tile-local indices
+    (
+        RATIO,
+        Option("--chunk", int, 64, "chunktopk: target tile side (tiles of at most chunk x chunk entries; "
+               "ceil(ratio * chunk^2) kept per full tile)", Range(1, integer=True)),
+        Option("--values", str, "statistical", "chunktopk: how kept values travel",
+               ("statistical", "sign", "float32", "bfloat16", "float16")),
+        Option("--value-bits", int, 2, "chunktopk: bits per value of the statistical quantizer",
+               Range(1, 8, integer=True)),
+        Option("--decay", float, 1.0, "chunktopk: decay of the error-feedback accumulator", Range(0, 1)),
+        Option("--dct", None, False, "chunktopk: select in each tile's DCT-II domain (DeMo)"),
+        Option("--aggregate", str, "mean", "chunktopk: average over all workers, or over the senders of an entry",
+               ("mean", "senders")),
+    ),
+    lambda a, ax, **kw: _cj().chunktopk(
+        math.ceil(a.ratio * a.chunk**2) if a.chunk >= 1 else 1, chunk=a.chunk, values=a.values,
+        value_bits=a.value_bits, decay=a.decay, dct=a.dct, aggregate=a.aggregate, axis_name=ax, **kw),
+)
 
 # Delayed Gradient Averaging: the average of step t - D arrives at step t; any compressor above carries it.
 INNER = tuple(sorted(n for n in REGISTRY if not REGISTRY[n].momentum_inside))

@@ -47,6 +47,12 @@ def diloco_sgd(*, sync_every, fragments=1, overlap=0, alpha=0.5, e3m0=False, axi
                      alpha=alpha, compressor=comm, axis_name=axis_name, skip_nonfinite=skip_nonfinite)
 
 
+def sparseloco_sgd(*, sync_every, k=4, chunk=8, decay=0.9, axis_name=None, skip_nonfinite=True):
+    """SparseLoCo with inner SGD with momentum: 4 of every 8 x 8 tile, 2-bit values, decayed error feedback."""
+    return cj.sparseloco(optax.sgd(0.1, momentum=0.9), sync_every=sync_every, k=k, chunk=chunk, decay=decay,
+                         axis_name=axis_name, skip_nonfinite=skip_nonfinite)
+
+
 CASES = {
     "identity": Case(cj.identity),
     "cast_bf16": Case(cj.cast, ("bfloat16",), static=("dtype",)),
@@ -74,6 +80,16 @@ CASES = {
     "diloco": Case(diloco_sgd, (), {"sync_every": 2}, static=("sync_every", "fragments", "overlap", "e3m0"),
                    one_path={"sync_every": 1}, local_steps=True),
     # H = 2, two fragments (offsets 0 and 1), overlap 1: within 3 steps a fragment starts, one merges, one starts.
+    # 8 of every 16 x 16 tile (3%), 2-bit statistical values, 8-bit tile-local indices, decay 0.9.
+    "chunktopk": Case(cj.chunktopk, (8,), {"chunk": 16, "decay": 0.9}, static=("k", "chunk", "value_bits"),
+                      traced=("decay", 0.5)),
+    # DeMo's exchange: DCT of 8 x 8 tiles, float32 values, each entry averaged over the workers that sent it.
+    "chunktopk_dct": Case(cj.chunktopk, (4,), {"chunk": 8, "dct": True, "values": "float32", "aggregate": "senders"},
+                          static=("k", "chunk", "value_bits")),
+    "sparseloco": Case(sparseloco_sgd, (), {"sync_every": 2}, static=("sync_every", "k", "chunk"),
+                       one_path={"sync_every": 1}, local_steps=True),
+    "demo": Case(cj.demo, (), {"learning_rate": 0.1, "k": 4, "chunk": 8, "weight_decay": 0.01}, static=("k", "chunk"),
+                 traced=("learning_rate", 0.05)),
     "streaming_diloco": Case(diloco_sgd, (), {"sync_every": 2, "fragments": 2, "overlap": 1, "e3m0": True},
                              static=("sync_every", "fragments", "overlap", "e3m0"), traced=("alpha", 0.2),
                              one_path={"sync_every": 1, "fragments": 1, "overlap": 0}, local_steps=True),

@@ -8,6 +8,7 @@ the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
 """
 
 from compjax.compressors.cast import CastState, cast
+from compjax.compressors.chunktopk import ChunktopkState, chunktopk, chunktopk_bytes
 from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
 from compjax.compressors.e3m0 import E3m0State, e3m0
 from compjax.compressors.finite import ApplyIfFiniteState, apply_if_finite
@@ -24,6 +25,7 @@ from compjax.compressors.twobit import TwobitState, twobit
 __all__ = [
     "ApplyIfFiniteState",
     "CastState",
+    "ChunktopkState",
     "DgcState",
     "E3m0State",
     "IdentityState",
@@ -37,6 +39,8 @@ __all__ = [
     "TwobitState",
     "apply_if_finite",
     "cast",
+    "chunktopk",
+    "chunktopk_bytes",
     "dgc",
     "dgc_warmup_schedule",
     "e3m0",

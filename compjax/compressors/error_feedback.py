@@ -34,9 +34,16 @@ class SentAt(NamedTuple):
 Sent = Sequence[jnp.ndarray] | SentAt
 
 
-def accumulate(residual: Sequence[jnp.ndarray], grads: Sequence[jnp.ndarray]) -> list[jnp.ndarray]:
-    """``p = e + g`` leaf by leaf, in the residual's dtype (the parameters' dtype)."""
-    return [e + g.astype(e.dtype) for g, e in zip(grads, residual)]
+def accumulate(residual: Sequence[jnp.ndarray], grads: Sequence[jnp.ndarray], decay=1.0) -> list[jnp.ndarray]:
+    """``p = decay * e + g`` leaf by leaf, in the residual's dtype (the parameters' dtype).
+
+    ``decay`` (``β`` in [0, 1], a number or a traced scalar) makes the memory a decayed accumulator,
+    ``e ← β e + g`` (SparseLoCo, Sarfi et al. 2025; DeMo, Peng et al. 2024); the default 1 is plain
+    error feedback, ``p = e + g``, computed without a multiplication.
+    """
+    if isinstance(decay, (int, float)) and decay == 1:
+        return [e + g.astype(e.dtype) for g, e in zip(grads, residual)]
+    return [(decay * e).astype(e.dtype) + g.astype(e.dtype) for g, e in zip(grads, residual)]
 
 
 def remainder(accumulated: Sequence[jnp.ndarray], sent: Sent) -> list[jnp.ndarray]:

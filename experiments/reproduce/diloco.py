@@ -1,6 +1,6 @@
 """DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
 
-    python -m experiments.reproduce.diloco                        # 6 runs, ~8 min on a 2-core CPU
+    python -m experiments.reproduce.diloco                        # 9 runs, ~30 min on a 2-core CPU
     python -m experiments.reproduce.diloco --config.train.steps=100 --rows data-parallel diloco   # a quick look
     python -m experiments.reproduce.diloco --publish --report-only --readme README.md   # the committed table
 
@@ -14,6 +14,11 @@ Rows (every one the same model, data, steps, seed and inner learning-rate schedu
 * **Streaming DiLoCo**: its own H = 13, 4 fragments (offsets 0, 3, 6 and 9), overlap τ = 1, α = 0.5, outer
   Nesterov lr 1.0, outer gradients sent as 4-bit E3M0 without error feedback (Douillard et al. 2025);
 * **DiLoCo + top-k**: H = 50, outer gradients through ``cj.topk(0.05)`` with error feedback;
+* **SparseLoCo**: ``cj.sparseloco(adamw, sync_every=15)`` (and H = 50): the top 128 entries of each 64 x 64
+  tile of a decayed error-feedback accumulator (β = 0.95), 2-bit values, 12-bit tile-local indices, plain outer
+  descent (lr 1, no momentum), each entry averaged over the workers that sent it (Sarfi et al. 2025);
+* **DeMo**: ``cj.demo`` per step, no inner optimizer: the top 32 DCT coefficients of each 64 x 64 tile of the
+  momentum (β = 0.999), float32 values, sign update at AdamW's schedule (Peng et al. 2024);
 * **DiLoCo, Muon inner**: H = 50, ``optax.contrib.muon`` as the inner optimizer (lr 0.02 for the matrices,
   AdamW's schedule for the rest), and **data-parallel with Muon**, its synchronous reference.
 
@@ -46,7 +51,8 @@ from experiments import config_cli, records
 NAME = "diloco_tiny_shakespeare"
 PROG = "python -m experiments.reproduce.diloco"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / f"{NAME}.py"
-ROWS = ("data-parallel", "diloco", "streaming", "diloco-topk", "diloco-muon", "data-parallel-muon")
+ROWS = ("data-parallel", "diloco", "streaming", "diloco-topk", "sparseloco", "sparseloco-h50", "demo", "diloco-muon",
+        "data-parallel-muon")
 
 
 def labels(config) -> dict[str, str]:
@@ -57,9 +63,19 @@ def labels(config) -> dict[str, str]:
         "diloco": f"DiLoCo, H = {h} (fp32 outer gradients)",
         "streaming": f"Streaming DiLoCo, H = {streaming_h(config)}, {st.fragments} fragments, τ = {st.overlap}, E3M0",
         "diloco-topk": f"DiLoCo, H = {h}, top-k {100 * config.topk_ratio:g}% + error feedback",
+        "sparseloco": sparseloco_label(config, config.sparseloco.sync_every),
+        "sparseloco-h50": sparseloco_label(config, h),
+        "demo": (f"DeMo (per step), top {config.demo.k} DCT coefficients of each {config.demo.chunk}×{config.demo.chunk}"
+                 f" tile, {config.demo['values']} values, sign update"),
         "diloco-muon": f"DiLoCo, H = {h}, Muon inner",
         "data-parallel-muon": "data-parallel (Muon, fp32 all-reduce every step)",
     }
+
+
+def sparseloco_label(config, h: int) -> str:
+    sl = config.sparseloco
+    return (f"SparseLoCo, H = {h}, top-{sl.k} of each {sl.chunk}×{sl.chunk} tile ({100 * sl.k / sl.chunk**2:.2g}%), "
+            f"{sl.value_bits}-bit values, β = {sl.decay:g}")
 
 
 def streaming_h(config) -> int:
@@ -103,6 +119,15 @@ def make_tx(row: str, config):
         if row == "diloco-topk":
             return cj.diloco(adamw, sync_every=h,
                              compressor=cj.topk(config.topk_ratio, skip_nonfinite=False, axis_name=ax), axis_name=ax)
+        if row in ("sparseloco", "sparseloco-h50"):
+            sl = config.sparseloco
+            return cj.sparseloco(adamw, sync_every=sl.sync_every if row == "sparseloco" else h, k=sl.k,
+                                 chunk=sl.chunk, value_bits=sl.value_bits, decay=sl.decay, outer_lr=sl.outer_lr,
+                                 aggregate=sl.aggregate, axis_name=ax)
+        if row == "demo":
+            d = config.demo
+            return cj.demo(schedule(config, steps, d.lr), decay=d.decay, k=d.k, chunk=d.chunk,
+                           weight_decay=d.weight_decay, values=d["values"], axis_name=ax)
         muon = optax.contrib.muon(schedule(config, steps, config.muon_lr), adam_learning_rate=sched)
         if row == "diloco-muon":
             return cj.diloco(muon, sync_every=h, axis_name=ax)
