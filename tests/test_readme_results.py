@@ -29,6 +29,7 @@ SOURCES = {
     "bandwidth_table": RESULTS / "reproduce" / "bandwidth_table.md",
     "benchmark": RESULTS / "benchmarks" / "compressors.md",
     "torch_compare": RESULTS / "benchmarks" / "torch_compare.md",
+    "memory_peak": RESULTS / "benchmarks" / "memory_peak.md",
 }
 
 
