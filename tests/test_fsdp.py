@@ -69,7 +69,7 @@ def _device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc", "streaming_diloco", "delayed_averaging_topk", "powersgd"])
+@pytest.mark.parametrize("name", ["dgc", "streaming_diloco", "delayed_averaging_topk"])
 def test_each_device_holds_a_quarter_of_parameters_and_state(name):
     """Per-device bytes of parameters + optimizer + compressor state: the replicated 2-D layout's / 4, up to the
     leaves every device holds whole (counters, keys, byte counts: < 2%), read from the arrays' shards and from the
@@ -200,16 +200,16 @@ def test_a_sharded_checkpoint_saved_at_fast_4_restores_at_fast_4_and_at_fast_2(t
 
 
 def test_main_job_with_fsdp_trains_as_without_it(tmp_path):
-    """``--mesh 2x4 --fsdp`` against ``--mesh 2x4``: the same epoch losses and test accuracy (top-k, 3 steps), the
+    """``--mesh 2x4 --fsdp`` against ``--mesh 2x4``: the same epoch losses and test accuracy (top-k, 2 steps), the
     record says the layout; ``--fsdp`` without a mesh exits with one line."""
     from experiments import train
 
-    argv = ["--compressor", "topk", "--ratio", "0.1", "--epochs", "1", "--train-limit", "192", "--batch-size", "64",
+    argv = ["--compressor", "topk", "--ratio", "0.1", "--epochs", "1", "--train-limit", "128", "--batch-size", "64",
             "--no-progress", "--mesh", "2x4"]
     plain = train.main(argv + ["--out", str(tmp_path / "a.jsonl")])
     sharded = train.main(argv + ["--fsdp", "--out", str(tmp_path / "b.jsonl")])
     assert sharded["config"]["fsdp"] is True and plain["config"]["fsdp"] is False
-    assert sharded["steps"] == plain["steps"] == 3
+    assert sharded["steps"] == plain["steps"] == 2
     np.testing.assert_allclose(sharded["train_loss"], plain["train_loss"], rtol=1e-5)
     np.testing.assert_allclose(sharded["test_accuracy"], plain["test_accuracy"], atol=1e-6)
     assert sharded["payload_bytes_per_step"] == plain["payload_bytes_per_step"]
@@ -218,23 +218,22 @@ def test_main_job_with_fsdp_trains_as_without_it(tmp_path):
 
 
 def test_lm_testbed_on_a_2x2_mesh_with_fsdp_trains_as_without_it():
-    """The LM testbed's transformer, Streaming DiLoCo (H = 2, two fragments) on ``mesh="2x2"``: sharded and
-    replicated layouts give the same losses and bytes (3 steps), each compiled once."""
+    """The LM testbed's transformer, top-k + AdamW on ``mesh="2x2"``: sharded and replicated layouts give the same
+    losses and bytes (3 steps), each compiled once."""
     from experiments.lm.train import train
-    from registry import diloco_sgd
     from tiny_shakespeare import EXCERPT
 
     text = EXCERPT.read_text()
 
     def make(ax):
-        return diloco_sgd(sync_every=2, fragments=2, overlap=1, e3m0=True, axis_name=ax)
+        return optax.chain(cj.topk(0.1, axis_name=ax), optax.adamw(3e-3))
 
     kw = dict(model_config="tiny", steps=3, batch_per_worker=2, seq_len=16, eval_every=3, eval_batches=1,
               text=text, mesh="2x2")
     plain, sharded = train(make, **kw), train(make, fsdp=True, **kw)
     assert sharded["config"]["fsdp"] and not plain["config"]["fsdp"]
     np.testing.assert_allclose(sharded["train_loss"], plain["train_loss"], rtol=1e-5)
-    np.testing.assert_allclose(sharded["val_loss_global"], plain["val_loss_global"], rtol=1e-5)
+    np.testing.assert_allclose(sharded["val_loss_worker0"], plain["val_loss_worker0"], rtol=1e-5)
     assert sharded["payload_bytes"] == plain["payload_bytes"] and sum(plain["payload_bytes"]) > 0
     assert sharded["compilations"] == plain["compilations"] == 1
     with pytest.raises(ValueError, match="fsdp=True shards over the fast axis"):
