@@ -293,3 +293,80 @@ def test_to_markdown():
 def test_bad_input(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+# gloo's messages and their framing: what a collective puts on the wire.
+
+
+def _ring_allreduce_reference(nbytes: int, n: int, eb: int) -> tuple[list[int], np.ndarray]:
+    """Run gloo's ring schedule on NumPy buffers: the messages it sends, and the reduced buffers it leaves.
+
+    Written from ``gloo/allreduce.cc`` (``ring``): rank r receives from r + 1 and sends to r - 1;
+    reduce-scatter sends segment ``(r + 1) * per_rank + i`` and adds the received one at
+    ``(r + 2) * per_rank + i``; all-gather sends ``r * per_rank + i`` and stores ``(r + 1) * per_rank + i``.
+    """
+    elems = nbytes // eb
+    rng = np.random.default_rng(nbytes + n)
+    data = rng.integers(0, 100, size=(n, elems)).astype(np.int64)
+    want = data.sum(0)
+    seg_max = 1024 * 1024 // eb
+    num = max(-(-elems // seg_max), 2 * n)
+    num = -(-num // n) * n
+    per_rank = num // n
+    seg = -(-elems // num)  # elements per segment
+    buf = data.copy()
+    sizes = []
+
+    def span(k):
+        start = (k % num) * seg
+        return start, min(start + seg, elems)
+
+    for phase in ("rs", "ag"):
+        for i in range(num - per_rank):
+            sends = []
+            for r in range(n):
+                k = ((r + 1) * per_rank + i) if phase == "rs" else (r * per_rank + i)
+                a, b = span(k)
+                if b > a:
+                    sends.append((r, a, b, buf[r, a:b].copy()))
+            for r, a, b, chunk in sends:  # rank r sends to r - 1
+                dst = (r - 1) % n
+                sizes.append((b - a) * eb)
+                if phase == "rs":
+                    buf[dst, a:b] += chunk
+                else:
+                    buf[dst, a:b] = chunk
+    assert np.array_equal(buf, np.broadcast_to(want, buf.shape)), "the schedule is not an all-reduce"
+    return sizes, buf
+
+
+@pytest.mark.parametrize("nbytes,n", [(4, 2), (4, 4), (12, 4), (827_688, 2), (827_688, 4), (450_052, 4),
+                                      (6 * 1024 * 1024 + 8, 3)])
+def test_gloo_ring_allreduce_messages_match_a_simulated_ring(nbytes, n):
+    sizes, _ = _ring_allreduce_reference(nbytes, n, 4)
+    assert sorted(netmodel.gloo_messages("all-reduce", nbytes, n, 4)) == sorted(sizes)
+    assert sum(sizes) == 2 * (n - 1) * nbytes  # the textbook ring's traffic
+    assert netmodel.wire_bytes("all-reduce", nbytes, n, netmodel.Framing.none) == 2 * (n - 1) * nbytes
+
+
+def test_gloo_allgather_and_message_counts():
+    assert netmodel.gloo_messages("all-gather", 851, 3) == [425, 426] * 6  # each worker sends n - 1 blocks in halves
+    assert netmodel.wire_bytes("all-gather", 852, 4, netmodel.Framing.none) == 4 * 3 * 852
+    assert len(netmodel.gloo_messages("all-reduce", 827_688, 2)) == 8  # 2n segments, (n-1)/n of them per phase
+    assert len(netmodel.gloo_messages("all-reduce", 4, 4)) == 6  # one 4-byte element: 2 (n-1) messages
+    assert netmodel.gloo_messages("all-reduce", 1 << 20, 1) == []
+    with pytest.raises(ValueError, match="kind"):
+        netmodel.gloo_messages("reduce-scatter", 4, 2)
+    with pytest.raises(ValueError, match="workers"):
+        netmodel.wire_bytes("all-reduce", 4, 0)
+
+
+def test_gloo_tcp_framing_by_hand():
+    f = netmodel.Framing.gloo_tcp
+    control = 2 * (48 + 66) + 33  # NOTIFY_SEND_READY and NOTIFY_RECV_READY, one segment each; half an acknowledgement
+    assert f.message_bytes(0) == 48 + 66 + control
+    assert f.message_bytes(1400) == 1448 + 66 + control  # payload + preamble fill one segment
+    assert f.message_bytes(1401) == 1449 + 2 * 66 + control
+    assert netmodel.Framing.none.message_bytes(1401) == 1401
+    # a dense CNN all-reduce at P = 2: 8 messages of 206,922 bytes, 143 segments each
+    assert netmodel.wire_bytes("all-reduce", 827_688, 2) == 2 * 827_688 + 8 * (48 + 143 * 66 + control)
