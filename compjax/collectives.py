@@ -64,6 +64,7 @@ __all__ = [
     "dense_mean",
     "dense_mean_arrays",
     "gather_inside_host",
+    "gather_shards",
     "gathered_mean",
     "like_varying",
     "match_varying",
@@ -129,6 +130,18 @@ def _all_gather(x: jnp.ndarray, axis_name: AxisName, **kw: Any) -> jnp.ndarray:
         return jax.lax.all_gather(x, axis_name, **kw)
     return jax.lax.bitcast_convert_type(jax.lax.all_gather(jax.lax.bitcast_convert_type(x, wire), axis_name, **kw),
                                         x.dtype)
+
+
+def gather_shards(x: jnp.ndarray, fast: str, axis: int) -> jnp.ndarray:
+    """The whole parameter of which ``x`` is this device's shard along ``axis``, for a forward pass.
+
+    A tiled ``jax.lax.all_gather`` over ``fast``, typed varying: its transpose
+    is a reduce-scatter, so the gradient with respect to the shard is the sum
+    over the host's devices of their gradients of the whole parameter.  Issued
+    under :func:`uncounted` (inside the host: no compressor's payload).
+    """
+    with uncounted():
+        return jax.lax.all_gather(x, fast, axis=axis, tiled=True)
 
 
 def gather_inside_host(x: jnp.ndarray, fast: str, axis: int) -> jnp.ndarray:

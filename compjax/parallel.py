@@ -547,18 +547,7 @@ def data_parallel_step(
                             out_specs=(spec,) * n_out)
     # One sharding for every output, the one replicate() and shard_batch() place: the second call hits the cache.
     jitted = jax.jit(sharded, donate_argnums=(0, 1) if donate else (), out_shardings=NamedSharding(mesh, spec))
-    if not rng:
-        return jitted
-
-    def step(params, opt_state, batch, key):
-        if not all(workers.is_key(k) for k in jax.tree.leaves(key)) or not jax.tree.leaves(key):
-            raise ValueError(f"key must be a PRNG key (jax.random.key(seed) or a raw uint32[2] key), got {key!r}")
-        return jitted(params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
-
-    step.lower = lambda params, opt_state, batch, key: jitted.lower(
-        params, opt_state, batch, _put(key, NamedSharding(mesh, P())))
-    step.jitted = jitted
-    return step
+    return _keyed(jitted, mesh) if rng else jitted
 
 
 def _keyed(jitted: Callable, mesh: Mesh) -> Callable:
@@ -601,10 +590,8 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         size = mesh.shape[fast]
 
         def whole(ps):
-            leaves = jax.tree.leaves(ps)
-            with collectives.uncounted():  # the forward pass's parameters, inside the host
-                out = [x if d is None else jax.lax.all_gather(x, fast, axis=d, tiled=True)
-                       for x, d in zip(leaves, dims)]
+            leaves = jax.tree.leaves(ps)  # the forward pass's parameters, gathered inside the host
+            out = [x if d is None else collectives.gather_shards(x, fast, d) for x, d in zip(leaves, dims)]
             return jax.tree.unflatten(treedef, out)
 
         def body(params, opt_state, batch, *key):
