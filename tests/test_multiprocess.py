@@ -97,7 +97,8 @@ def test_lost_peer_is_named_and_a_restart_resumes(tmp_path):
 
 
 def test_2d_mesh_compresses_only_over_the_slow_axis():
-    """On a 2 x 4 mesh: a dense all-reduce inside each row, top-k's collectives only across rows."""
+    """On a 2 x 4 mesh: a dense all-reduce inside each row, top-k's collectives only across rows, each device
+    sending a quarter of its row's payload."""
     mesh = parallel.make_2d_mesh(2, 4)
     tx = optax.chain(cj.topk(0.1, axis_name="data"), optax.sgd(0.1, momentum=0.9))
     init = {"w": jnp.zeros((20, 5)), "b": jnp.zeros(5)}
@@ -118,11 +119,15 @@ def test_2d_mesh_compresses_only_over_the_slow_axis():
     fast = [op for op in ops if op.replica_groups == rows]
     slow = [op for op in ops if op.replica_groups == cols]
     assert len(fast) + len(slow) == len(ops)
-    assert [(op.op, op.bytes) for op in fast] == [("all-reduce", 4 * 105)]  # dense float32 gradient mean
+    # Inside each row: the dense float32 gradient mean, the row's non-finite vote, and the all-gathers that
+    # bring back the 2 workers' indices and values from the row's 4 pieces (11 pairs, padded to 12: 2 x 3 each).
+    assert sorted((op.op, op.bytes) for op in fast) == [("all-gather", 24), ("all-gather", 24),
+                                                        ("all-reduce", 4), ("all-reduce", 4 * 105)]
     assert sorted(op.op for op in slow) == ["all-gather", "all-gather", "all-reduce"]  # indices, values, vote
     for batch in batches:
         p, s, _ = jax.block_until_ready(step(p, s, parallel.shard_batch(batch, mesh, fast_axis="fast")))
-    assert int(cj.payload_bytes(s)[0]) == sum(op.bytes for op in slow)
+    # Each device of a row sends a quarter of the row's payload across rows: payload_bytes is the row's (host's).
+    assert int(cj.payload_bytes(s)[0]) == 4 * sum(op.bytes for op in slow)
 
     # Reference: a 2-worker 1-D run whose workers each hold their row's whole batch (the dense fast mean).
     mesh1 = parallel.make_mesh(2)
