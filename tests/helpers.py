@@ -17,6 +17,23 @@ def stack(trees):
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
 
 
+def vmap_quadratic_trainer(tx, init, n):
+    """``(params, state, step)`` for ``n`` workers under ``jax.vmap(axis_name=AXIS)`` on the loss
+    ``|p - c|^2 / 2`` (gradient ``p - c``): ``step(params, state, targets)`` takes one target tree per worker
+    (a list) and applies ``tx``'s update (``params`` passed) to each worker's parameters."""
+    import optax
+
+    params = jax.tree.map(lambda x: np.stack([x] * n), init)
+    state = jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), tx.init(init))
+
+    def one(p, s, c):
+        u, s = tx.update(jax.tree.map(lambda a, b: a - b, p, c), s, p)
+        return optax.apply_updates(p, u), s
+
+    f = jax.jit(jax.vmap(one, axis_name=AXIS))
+    return params, state, lambda p, s, targets: f(p, s, stack(targets))
+
+
 def run_workers(tx, grads_stacked, state_stacked, backend, mesh=None):
     """One ``tx.update`` on every worker; inputs and outputs have a leading worker axis.
 

@@ -106,6 +106,21 @@ def np_encode(p, cfg):
     return dense, ind, np_untile(back, p.shape, h, w), (h, w)
 
 
+def np_exchange(ps, acc, name, cfg):
+    """One layer's exchange over the workers: each worker's accumulated ``ps[r]`` encoded (its accumulator
+    ``acc[r][name]`` keeps what was not sent), then the per-tile aggregate (``(tiles, L)``) and the tile shape."""
+    parts = []
+    for r, p in enumerate(ps):
+        dense, ind, sent, hw = np_encode(p, cfg)
+        acc[r][name] = p - sent
+        parts.append((dense, ind))
+    total = sum(d for d, _ in parts)
+    if cfg["aggregate"] == "senders":
+        cnt = sum(i for _, i in parts)
+        return np.where(cnt > 0, total / np.where(cnt > 0, cnt, 1), 0.0), hw
+    return total / len(ps), hw
+
+
 def np_chunktopk(grads, cfg, steps):
     """Per step: the aggregated output per layer (worker-independent) and every worker's accumulator."""
     n = len(grads[0])
@@ -114,18 +129,7 @@ def np_chunktopk(grads, cfg, steps):
     for g in grads:
         out = {}
         for name, shape in SHAPES.items():
-            parts = []
-            for r in range(n):
-                p = cfg["decay"] * acc[r][name] + g[r][name]
-                dense, ind, sent, hw = np_encode(p, cfg)
-                acc[r][name] = p - sent
-                parts.append((dense, ind))
-            total = sum(d for d, _ in parts)
-            if cfg["aggregate"] == "senders":
-                cnt = sum(i for _, i in parts)
-                mean = np.where(cnt > 0, total / np.where(cnt > 0, cnt, 1), 0.0)
-            else:
-                mean = total / n
+            mean, hw = np_exchange([cfg["decay"] * acc[r][name] + g[r][name] for r in range(n)], acc, name, cfg)
             if cfg["dct"]:
                 mean = np_dct2(mean, *hw, inverse=True)
             out[name] = np_untile(mean, shape, *hw)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import compjax as cj
-from tests.helpers import AXIS
+from tests.helpers import AXIS, vmap_quadratic_trainer
 from tests.test_chunked import SHAPES, config, np_dct2, np_encode, np_untile
 
 N, STEPS = 4, 3
@@ -53,16 +52,9 @@ def test_demo_matches_the_numpy_reference(schedule):
     want, want_delta = np_demo(init, targets, cfg, lrs, wd)
 
     tx = cj.demo(lr, decay=cfg["decay"], k=cfg["k"], chunk=cfg["chunk"], weight_decay=wd, axis_name=AXIS)
-    params = jax.tree.map(lambda x: np.stack([x] * N), init)
-    state = jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), tx.init(init))
-
-    def one(p, s, c):
-        u, s = tx.update(jax.tree.map(lambda a, b: a - b, p, c), s, p)
-        return optax.apply_updates(p, u), s
-
-    f = jax.jit(jax.vmap(one, axis_name=AXIS))
+    params, state, step = vmap_quadratic_trainer(tx, init, N)
     for t, c in enumerate(targets):
-        params, state = f(params, state, jax.tree.map(lambda *xs: np.stack(xs), *c))
+        params, state = step(params, state, c)
         for k in SHAPES:
             for r in range(N):
                 np.testing.assert_allclose(np.asarray(params[k])[r], want[t][r][k], atol=1e-5, rtol=1e-5,

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import compjax as cj
-from tests.helpers import AXIS
-from tests.test_chunked import SHAPES, config, np_encode, np_untile
+from tests.helpers import AXIS, vmap_quadratic_trainer
+from tests.test_chunked import SHAPES, config, np_exchange, np_untile
 
 N, H, SYNCS = 4, 2, 3
 
@@ -32,18 +32,8 @@ def np_sparseloco(init, targets, cfg, inner_lr, outer_lr, wd):
         if s % H == 0:
             new = {}
             for k, shape in SHAPES.items():
-                parts = []
-                for r in range(N):
-                    e = cfg["decay"] * acc[r][k] + (glob[k] - local[r][k])  # e ← β e + Δ_r
-                    dense, ind, sent, hw = np_encode(e, cfg)
-                    acc[r][k] = e - sent
-                    parts.append((dense, ind))
-                total = sum(d for d, _ in parts)
-                if cfg["aggregate"] == "senders":
-                    cnt = sum(i for _, i in parts)
-                    mean = np.where(cnt > 0, total / np.where(cnt > 0, cnt, 1), 0.0)
-                else:
-                    mean = total / N
+                es = [cfg["decay"] * acc[r][k] + (glob[k] - local[r][k]) for r in range(N)]  # e ← β e + Δ_r
+                mean, hw = np_exchange(es, acc, k, cfg)
                 delta = np_untile(mean, shape, *hw)
                 new[k] = glob[k] - outer_lr * (delta + wd * glob[k])  # θ ← θ(1 − αλ) − α Δ
             glob = new
@@ -64,17 +54,10 @@ def test_sparseloco_matches_the_numpy_reference(aggregate, wd):
 
     tx = cj.sparseloco(optax.sgd(inner_lr), sync_every=H, k=cfg["k"], chunk=cfg["chunk"], decay=cfg["decay"],
                        outer_lr=outer_lr, outer_weight_decay=wd, aggregate=aggregate, axis_name=AXIS)
-    params = jax.tree.map(lambda x: np.stack([x] * N), init)
-    state = jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), tx.init(init))
-
-    def one(p, s, c):
-        u, s = tx.update(jax.tree.map(lambda a, b: a - b, p, c), s, p)
-        return optax.apply_updates(p, u), s
-
-    f = jax.jit(jax.vmap(one, axis_name=AXIS))
+    params, state, step = vmap_quadratic_trainer(tx, init, N)
     sent = []
     for t, c in enumerate(targets):
-        params, state = f(params, state, jax.tree.map(lambda *xs: np.stack(xs), *c))
+        params, state = step(params, state, c)
         sent.append(int(cj.payload_bytes(state)[0]))
         for k in SHAPES:
             for r in range(N):
