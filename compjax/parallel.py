@@ -651,7 +651,7 @@ def _nnx():
     return nnx
 
 
-def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data") -> None:
+def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data", specs: Any = None) -> None:
     """Give every Variable of the NNX objects ``nodes`` the worker axis, in place.
 
     Each Variable's value ``x`` (any shape and dtype) becomes ``n`` stacked
@@ -668,12 +668,23 @@ def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data") -> None:
       mesh: the mesh; ``n = mesh.shape[axis_name]``.
       *nodes: NNX objects (``nnx.Module``, ``nnx.Optimizer``, ...) holding one
         worker's values.
-      axis_name: the data axis.
+      axis_name: the data axis (the slow axis of a 2-D mesh).
+      specs: sharded parameters (FSDP): a tree like ``nnx.state(nodes[0])``
+        (the model) of ``PartitionSpec`` over one fast mesh axis, e.g.
+        ``parallel.fsdp_specs(nnx.state(model), mesh)`` or, to honour
+        ``nnx.with_partitioning`` annotations,
+        ``nnx.get_partition_spec(nnx.state(model))``.  Each model Variable
+        ``x`` is placed ``P(axis_name, *spec)``; the state of every
+        ``nnx.Optimizer`` among ``nodes`` shaped like the parameters is sharded
+        like them (:func:`state_specs`); the rest (counters, keys, small
+        leaves) is held whole by every fast device.  Train with
+        :func:`nnx_data_parallel_step` and its ``fast_axis``.
 
     Raises:
       ValueError: a Variable is already sharded over ``axis_name`` of ``mesh``
-        (replicated twice, or an optimizer built from a replicated model);
-        nothing is changed then.
+        (replicated twice, or an optimizer built from a replicated model), or
+        bad ``specs`` (named by leaf, as :func:`replicate` says); nothing is
+        changed then.
 
     Examples:
       >>> import optax, compjax as cj
@@ -696,7 +707,46 @@ def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data") -> None:
                 "after building the optimizer on one worker's model"
             )
 
-    nnx.update(nodes, jax.tree.map(lambda x: _stack_copies(x, mesh, axis_name), state))
+    if specs is None:
+        nnx.update(nodes, jax.tree.map(lambda x: _stack_copies(x, mesh, axis_name), state))
+        return
+    leaf_specs = _nnx_leaf_specs(nodes, specs, mesh, axis_name)
+    leaves, treedef = jax.tree.flatten(state)
+    nnx.update(nodes, jax.tree.unflatten(treedef, [_stack_copies(x, mesh, axis_name, None, spec)
+                                                   for x, spec in zip(leaves, leaf_specs)]))
+
+
+def _nnx_leaf_specs(nodes: Sequence, specs: Any, mesh: Mesh, axis_name: str) -> list:
+    """One ``PartitionSpec`` (or None: whole) per array leaf of ``nnx.state(nodes)``, from the model's ``specs``.
+
+    The model (``nodes[0]``) takes ``specs``; an ``nnx.Optimizer``'s state
+    takes :func:`state_specs` of its ``tx`` over the model's ``wrt``
+    parameters; every other Variable is whole.  Variables are matched by
+    identity, so one shared between nodes gets one spec.
+    """
+    nnx = _nnx()
+
+    def is_var(x):
+        return isinstance(x, nnx.Variable)
+
+    model = nodes[0]
+    mstate = nnx.state(model)
+    by_id = {id(v): s for v, s in zip(jax.tree.leaves(mstate, is_leaf=is_var),
+                                      _leaf_specs(mstate, specs, mesh, axis_name))}
+    for node in nodes[1:]:
+        if not isinstance(node, nnx.Optimizer):
+            continue
+        params = nnx.state(model, node.wrt)
+        pvars = jax.tree.leaves(params, is_leaf=is_var)
+        pure = nnx.as_pure(params)
+        pspecs = jax.tree.unflatten(jax.tree.structure(pure), [by_id.get(id(v)) for v in pvars])
+        ospecs = jax.tree.leaves(state_specs(node.tx, pure, pspecs, mesh), is_leaf=lambda x: isinstance(x, P))
+        ovars = jax.tree.leaves(node.opt_state, is_leaf=is_var)
+        if len(ovars) != len(ospecs):  # pragma: no cover - nnx.Optimizer keeps tx.init's structure
+            raise ValueError(f"the optimizer's state has {len(ovars)} leaves, its tx.init {len(ospecs)}: "
+                             "build nnx.Optimizer(model, tx, wrt=...) from this model")
+        by_id.update({id(v): s for v, s in zip(ovars, ospecs)})
+    return [by_id.get(id(v)) for v in jax.tree.leaves(nnx.state(nodes), is_leaf=is_var)]
 
 
 def nnx_unreplicate(node: Any) -> Any:
@@ -958,6 +1008,7 @@ def nnx_data_parallel_step(
     mesh: Mesh,
     *,
     axis_name: str = "data",
+    fast_axis: str | None = None,
     has_aux: bool = False,
     worker_rngs: bool = True,
     donate: bool = False,
@@ -988,6 +1039,17 @@ def nnx_data_parallel_step(
       mesh: mesh with axis ``axis_name`` (n workers).
       axis_name: the data axis; the compressor in the optimizer's ``tx`` must
         use the same name.
+      fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None.
+        Then model and optimizer come from :func:`nnx_replicate` over
+        ``axis_name`` (the slow axis), with or without ``specs=``: each step
+        all-gathers sharded parameters over the fast axis for ``loss_fn``
+        (inside the host), each fast device takes its own slice of the batch,
+        the gradient is the host's mean (a reduce-scatter for sharded
+        parameters, an all-reduce for whole ones), and the optimizer updates
+        each device's shard; its compressor sees whole layers, as in
+        :func:`data_parallel_step` with ``specs``.  Non-optimized floating
+        Variables (batch statistics) are averaged over the fast axis and must
+        be held whole.
       has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
       worker_rngs: fold the worker index into the model's RNG streams for the
         step (False: every worker draws the same numbers).
@@ -1028,6 +1090,11 @@ def nnx_data_parallel_step(
     """
     _check_axis(mesh, axis_name)
     _check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate)
+    if fast_axis is not None:
+        _check_axis(mesh, fast_axis)
+        if fast_axis == axis_name:
+            raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
+        return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate)
 
     def single(model, optimizer, batch):
         grad_fn = _nnx().value_and_grad(loss_fn, argnums=_nnx().DiffState(0, optimizer.wrt), has_aux=has_aux)
@@ -1036,3 +1103,119 @@ def nnx_data_parallel_step(
         return out
 
     return worker_step(single, mesh, axis_name=axis_name, worker_rngs=worker_rngs, donate=donate)
+
+
+
+def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate) -> Callable[..., Any]:
+    """:func:`nnx_data_parallel_step` on a 2-D mesh, parameters whole or sharded over ``fast_axis``.
+
+    The layout is read from the arrays (:func:`nnx_replicate` placed them): a
+    model parameter whose sharding names ``fast_axis`` after the worker axis
+    is a shard along that dimension.  Compiled once per graph structure,
+    shapes and shardings.
+    """
+    nnx = _nnx()
+    size = mesh.shape[fast_axis]
+    devices = (axis_name, fast_axis)
+
+    def specs_dims(leaves, paths, what):
+        specs, dims = [], []
+        for x, path in zip(leaves, paths):
+            s = getattr(x, "sharding", None)
+            spec = tuple(s.spec) if isinstance(s, NamedSharding) and s.mesh == mesh else ()
+            if not spec or spec[0] != axis_name:
+                raise ValueError(f"{what}{jax.tree_util.keystr(path)} is not in the worker-stacked layout over "
+                                 f"{axis_name!r} of this mesh: replicate model and optimizer together with "
+                                 f"parallel.nnx_replicate(mesh, model, optimizer, axis_name={axis_name!r}[, specs=...])")
+            own = [d for d, e in enumerate(spec[1:]) if e is not None]
+            if own and spec[1 + own[0]] not in (fast_axis, (fast_axis,)):
+                raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over another axis "
+                                 f"than fast_axis={fast_axis!r}")
+            specs.append(P(*spec))
+            dims.append(own[0] if own else None)
+        return specs, dims
+
+    def build(mdef, odef, wrt, trees, arrays):
+        (ptree, rtree, otree), (pl, rl, ol) = trees, arrays
+        paths = [[p for p, _ in jax.tree_util.tree_leaves_with_path(jax.tree.unflatten(t, a))]
+                 for t, a in zip(trees, arrays)]
+        pspecs, pdims = specs_dims(pl, paths[0], "model")
+        rspecs, rdims = specs_dims(rl, paths[1], "model")
+        ospecs, _ = specs_dims(ol, paths[2], "optimizer")
+        for path, d in zip(paths[1], rdims):
+            if d is not None:
+                raise ValueError(f"model{jax.tree_util.keystr(path)} is sharded but not optimized (wrt): only the "
+                                 "optimized parameters may be sharded; give its spec as None (whole)")
+
+        def body(pl, rl, ol, batch):
+            pl, rl, ol = ([x[0] for x in t] for t in (pl, rl, ol))
+            optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
+
+            def loss_of(shards):  # a model of this trace's own Variables (NNX refuses updates across traces)
+                whole = [x if d is None else collectives.gather_shards(x, fast_axis, d) for x, d in zip(shards, pdims)]
+                model = nnx.merge(mdef, jax.tree.unflatten(ptree, whole), jax.tree.unflatten(rtree, rl))
+                saved = workers.nnx_fold_rngs(model, devices) if worker_rngs else None
+                out = loss_fn(model, batch)
+                if saved is not None:
+                    nnx.update(model, saved)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, jax.tree.leaves(nnx.split(model, wrt, ...)[2]))
+
+            (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(pl)
+            # Through the all-gather (shards) and the implicit broadcast (whole leaves) the gradient is the
+            # sum over the host's devices: divide by their number for the host's mean.
+            grads = [g / jnp.asarray(size, g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g for g in grads]
+            params = nnx.as_pure(jax.tree.unflatten(ptree, pl))
+            pure = jax.tree.structure(params)
+            grads = jax.tree.unflatten(pure, grads)
+            with layout.fast_layout(fast_axis, grads, pdims):
+                updates, new_opt = optimizer.tx.update(grads, nnx.as_pure(optimizer.opt_state), params)
+            params = optax.apply_updates(params, updates)
+            nnx.update(optimizer.opt_state, nnx.state(new_opt))
+            optimizer.step[...] += 1
+            floats = [i for i, x in enumerate(new_rest) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+            means = workers._mean_floats([new_rest[i] for i in floats], fast_axis) if floats else []
+            for i, m in zip(floats, means):  # batch statistics: the host's mean, held by each of its devices
+                new_rest[i] = m
+            outs = (jax.tree.leaves(params), new_rest, jax.tree.leaves(nnx.split(optimizer)[1]), loss)
+            outs += (aux,) if has_aux else ()
+            return jax.tree.map(lambda x: x[None], outs)
+
+        out_specs = (pspecs, rspecs, ospecs, P(devices)) + ((P(devices),) if has_aux else ())
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, rspecs, ospecs, P(devices)), out_specs=out_specs)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(sharded, donate_argnums=(0, 1, 2) if donate else (), out_shardings=shardings)
+
+    cache: dict = {}
+
+    def prepare(model, optimizer, batch):
+        if not isinstance(optimizer, nnx.Optimizer):
+            raise ValueError(f"optimizer must be an nnx.Optimizer built on the model, got {type(optimizer).__name__}")
+        mdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+        odef, ostate = nnx.split(optimizer)
+        flat = [jax.tree.flatten(t) for t in (params, rest, ostate)]
+        trees, arrays = tuple(t for _, t in flat), tuple(a for a, _ in flat)
+        if donate:
+            _check_donatable(arrays)
+        key = (mdef, odef, trees, tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                                        for x in jax.tree.leaves(arrays)))
+        if key not in cache:
+            cache[key] = build(mdef, odef, optimizer.wrt, trees, arrays)
+        if not all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in jax.tree.leaves(batch)):
+            batch = shard_batch(batch, mesh, axis_name, fast_axis=fast_axis)
+        return cache[key], trees, arrays + (batch,)
+
+    def train_step(model, optimizer, batch):
+        jitted, (ptree, rtree, otree), args = prepare(model, optimizer, batch)
+        pl, rl, ol, loss, *aux = jitted(*args)
+        nnx.update(model, jax.tree.unflatten(ptree, pl), jax.tree.unflatten(rtree, rl))
+        nnx.update(optimizer, jax.tree.unflatten(otree, ol))
+        return (loss, aux[0]) if has_aux else loss
+
+    def lower(model, optimizer, batch):
+        jitted, _, args = prepare(model, optimizer, batch)
+        return jitted.lower(*args)
+
+    train_step.lower = lower
+    train_step._cache_size = lambda: sum(f._cache_size() for f in cache.values())
+    return train_step
