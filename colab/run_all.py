@@ -12,8 +12,9 @@ as its working directory (so ``import experiments`` works and the install cell h
 A notebook passes when every cell runs without an error within ``--timeout`` seconds (the whole
 notebook, not each cell), and its outputs hold at least one plot (an ``image/png`` output) and at least
 one table (``text/markdown`` with a ``|---`` row, or ``text/html`` with ``<table``).  One line per
-notebook (name, seconds, plots, tables, OK/FAIL), then the total; the exit status is non-zero if any
-notebook fails or the total exceeds ``--max-seconds`` (default 300; 0 turns the limit off).
+notebook (name, seconds, plots, tables, OK/FAIL), then the total (wall clock); the exit status is non-zero if
+any notebook fails or the total exceeds ``--max-seconds`` (default 300; 0 turns the limit off).  ``--jobs``
+notebooks run at once (default 2: a notebook's time is mostly XLA compiling on one core), each in its own kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,7 @@ OUT = ROOT / "runs" / "notebooks"
 #: a markdown table's header rule: ``|---``, ``| ---``, ``|:---`` (alignment) ...
 TABLE_RULE = re.compile(r"\|\s*:?-{3,}")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours in tracebacks
+clock = time.monotonic  # the wall clock the total is read from
 
 
 def discover(directory: Path = COLAB) -> list[Path]:
@@ -132,8 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("notebooks", nargs="*", help="run only these (number, stem or file name); default: all")
     p.add_argument("--timeout", type=float, default=600, help="seconds for one notebook (default 600)")
     p.add_argument("--max-seconds", type=float, default=300,
-                   help="fail if all notebooks together take longer (default 300; 0: no limit)")
+                   help="fail if all notebooks together take longer, wall clock (default 300; 0: no limit)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="notebooks run at once, each in its own kernel (default 2: XLA compiles on one core)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     os.environ.setdefault("SMALL", "1")  # the kernels inherit this process's environment
     notebooks = select(args.notebooks, discover())
     if not notebooks:
@@ -141,20 +148,26 @@ def main(argv=None) -> int:
         return 1
     print(f"SMALL={os.environ['SMALL']}: {len(notebooks)} notebooks, executed copies in "
           f"{OUT.relative_to(ROOT)}/", flush=True)
-    total, failed = 0.0, 0
-    for path in notebooks:
-        nb, seconds, failure = execute(path, args.timeout)
-        total += seconds
-        found = problems(nb)
-        if failure and (failure.startswith("timeout") or not errors(nb)):
-            found.insert(0, failure)  # a dead kernel leaves no error output, a timeout only a KeyboardInterrupt
-        failed += bool(found)
-        print(f"{path.name:<32} {seconds:7.1f} s  plots {count_plots(nb):2d}  tables {count_tables(nb):2d}  "
-              f"{'FAIL: ' + '; '.join(found) if found else 'OK'}", flush=True)
+    failed, start = 0, clock()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each notebook's kernel is a process of its own
+        runs = [pool.submit(execute, path, args.timeout) for path in notebooks]
+        for path, run in zip(notebooks, runs):
+            failed += report(path, *run.result())
+    total = clock() - start
     over = args.max_seconds > 0 and total > args.max_seconds
-    print(f"total {total:.1f} s for {len(notebooks)} notebooks (limit {args.max_seconds:g} s): "
+    print(f"total {total:.1f} s for {len(notebooks)} notebooks, {args.jobs} at a time (limit {args.max_seconds:g} s): "
           f"{failed} failed" + (", over the time limit" if over else ""))
     return 1 if failed or over else 0
+
+
+def report(path: Path, nb, seconds: float, failure: str | None) -> bool:
+    """Print one notebook's line (name, seconds, plots, tables, OK or why not); True if it failed."""
+    found = problems(nb)
+    if failure and (failure.startswith("timeout") or not errors(nb)):
+        found.insert(0, failure)  # a dead kernel leaves no error output, a timeout only a KeyboardInterrupt
+    print(f"{path.name:<32} {seconds:7.1f} s  plots {count_plots(nb):2d}  tables {count_tables(nb):2d}  "
+          f"{'FAIL: ' + '; '.join(found) if found else 'OK'}", flush=True)
+    return bool(found)
 
 
 if __name__ == "__main__":

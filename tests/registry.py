@@ -83,9 +83,7 @@ CASES = {
     # 8 of every 16 x 16 tile (3%), 2-bit statistical values, 8-bit tile-local indices, decay 0.9.
     "chunktopk": Case(cj.chunktopk, (8,), {"chunk": 16, "decay": 0.9}, static=("k", "chunk", "value_bits"),
                       traced=("decay", 0.5)),
-    # DeMo's exchange: DCT of 8 x 8 tiles, float32 values, each entry averaged over the workers that sent it.
-    "chunktopk_dct": Case(cj.chunktopk, (4,), {"chunk": 8, "dct": True, "values": "float32", "aggregate": "senders"},
-                          static=("k", "chunk", "value_bits")),
+    # chunktopk with dct=True, float32 values and aggregate="senders" is DeMo's exchange: the "demo" case runs it.
     "sparseloco": Case(sparseloco_sgd, (), {"sync_every": 2}, static=("sync_every", "k", "chunk"),
                        one_path={"sync_every": 1}, local_steps=True),
     "demo": Case(cj.demo, (), {"learning_rate": 0.1, "k": 4, "chunk": 8, "weight_decay": 0.01}, static=("k", "chunk"),

@@ -8,6 +8,7 @@ XLA flags before JAX starts, the SMALL switch, no committed outputs and no hard-
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import re
 from pathlib import Path
@@ -105,8 +106,16 @@ def test_main_exit_status(monkeypatch, tmp_path, capsys):
     assert re.search(r"01_ok\.ipynb\s+10\.0 s\s+plots\s+1\s+tables\s+1\s+OK", capsys.readouterr().out)
     assert run_all.main([]) == 1
     assert "02_bad.ipynb" in (out := capsys.readouterr().out) and "FAIL: no table" in out
-    assert run_all.main(["01", "--max-seconds", "9"]) == 1
-    assert "over the time limit" in capsys.readouterr().out
+    monkeypatch.setattr(run_all, "clock", itertools.count(0.0, 7.0).__next__)  # each run: 7 s of wall clock
+    assert run_all.main(["01", "--max-seconds", "6"]) == 1
+    out = capsys.readouterr().out
+    assert "total 7.0 s for 1 notebooks" in out and "over the time limit" in out
+    for jobs in ("1", "3"):  # one line per notebook, in order, whatever runs at once
+        assert run_all.main(["--jobs", jobs]) == 1
+        out = capsys.readouterr().out
+        assert out.index("01_ok.ipynb") < out.index("02_bad.ipynb") and f"{jobs} at a time" in out
+    with pytest.raises(SystemExit):
+        run_all.main(["--jobs", "0"])
     executed["02_bad"] = (synthetic(PNG, MD_TABLE), 1.0, "DeadKernelError: Kernel died")  # no error output
     assert run_all.main(["02"]) == 1
     assert "FAIL: DeadKernelError" in capsys.readouterr().out
