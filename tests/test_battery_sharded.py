@@ -32,19 +32,7 @@ def loss(p, batch):
     return jnp.mean((h @ p["w2"] + p["b2"] + p["s"] - y) ** 2)
 
 
-def one_per_factory() -> list[str]:
-    """One registry case per compressor or algorithm (its first, or the one named here): one compile pair each
-    (the other cases vary options that do not touch the layout)."""
-    preferred = {"diloco": "streaming_diloco", "delayed_averaging": "delayed_averaging_period"}
-    chosen: dict = {}
-    for name, case in CASES.items():
-        key = getattr(case.factory, "__name__", name)
-        if key not in chosen or preferred.get(chosen[key]) == name:
-            chosen[key] = name
-    return sorted(chosen.values())
-
-
-@pytest.mark.parametrize("name", one_per_factory())
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_sharded_layout_equals_the_replicated_2d_layout_and_sends_the_payload_once_per_host(name):
     case = CASES[name]
     mesh = parallel.make_2d_mesh(SLOW, FAST)
