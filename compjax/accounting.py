@@ -164,6 +164,13 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
     ``nnx.Optimizer`` itself).  The counters are exact byte counts held as two
     uint32 words (:mod:`compjax.bytecount`), read on the host.
 
+    On a 2-D mesh (a slow axis between hosts, a fast one inside each,
+    :func:`compjax.parallel.make_2d_mesh`), the count is per worker, that is
+    per host, over the slow link: each of the host's ``fast`` devices sends
+    ``1/fast`` of it, so bytes per device are this count divided by ``fast``
+    (replicated or sharded parameters alike); the entries of the host's
+    devices repeat the host's count.
+
     Args:
       opt_state: an optax state pytree, an NNX ``State`` or NNX object; one
         worker's, or worker-stacked (leading axis of n workers).
