@@ -589,20 +589,15 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         per_device = P((axis_name, fast))
         size = mesh.shape[fast]
 
-        def whole(ps):
-            leaves = jax.tree.leaves(ps)  # the forward pass's parameters, gathered inside the host
-            out = [x if d is None else collectives.gather_shards(x, fast, d) for x, d in zip(leaves, dims)]
-            return jax.tree.unflatten(treedef, out)
+        def whole(ps):  # the forward pass's parameters, gathered inside the host
+            return jax.tree.unflatten(treedef, _gather_whole(jax.tree.leaves(ps), dims, fast))
 
         def body(params, opt_state, batch, *key):
             params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
             args = (batch, workers.fold_worker(key[0], (axis_name, fast))) if rng else (batch,)
             out, grads = jax.value_and_grad(lambda ps, *a: loss_fn(whole(ps), *a), has_aux=has_aux)(params, *args)
             loss, aux = out if has_aux else (out, None)
-            # Through the all-gather (sharded leaves) and the implicit broadcast (whole ones), the gradient
-            # is the sum over the host's devices: divide by their number for the host's mean.
-            grads = jax.tree.map(lambda g: g / jnp.asarray(size, g.dtype)
-                                 if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+            grads = jax.tree.unflatten(treedef, _host_mean(jax.tree.leaves(grads), size))
             with layout.fast_layout(fast, grads, dims):
                 updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
@@ -628,6 +623,21 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
     jitted.lower = lambda params, opt_state, batch, *key: get(params, opt_state).lower(params, opt_state, batch, *key)
     jitted._cache_size = lambda: sum(f._cache_size() for f in cache.values())  # compilations, as jax.jit's
     return _keyed(jitted, mesh) if rng else jitted
+
+
+def _gather_whole(leaves: Sequence, dims: Sequence, fast: str) -> list:
+    """Each leaf whole: a shard (``dims`` entry an int) all-gathered over ``fast`` inside the host, else as it is."""
+    return [x if d is None else collectives.gather_shards(x, fast, d) for x, d in zip(leaves, dims)]
+
+
+def _host_mean(grads: Sequence, size: int) -> list:
+    """The host's mean gradient from the gradient with respect to the shards (or to whole leaves).
+
+    Through the all-gather (:func:`_gather_whole`: its transpose is a
+    reduce-scatter) and through the implicit broadcast of a leaf held whole,
+    the gradient is the sum over the host's ``size`` devices: divided by it.
+    """
+    return [g / jnp.asarray(size, g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g for g in grads]
 
 
 def _fast_mean(grads: Any, fast_axis: str) -> Any:
@@ -1152,8 +1162,8 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
             optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
 
             def loss_of(shards):  # a model of this trace's own Variables (NNX refuses updates across traces)
-                whole = [x if d is None else collectives.gather_shards(x, fast_axis, d) for x, d in zip(shards, pdims)]
-                model = nnx.merge(mdef, jax.tree.unflatten(ptree, whole), jax.tree.unflatten(rtree, rl))
+                whole = jax.tree.unflatten(ptree, _gather_whole(shards, pdims, fast_axis))
+                model = nnx.merge(mdef, whole, jax.tree.unflatten(rtree, rl))
                 saved = workers.nnx_fold_rngs(model, devices) if worker_rngs else None
                 out = loss_fn(model, batch)
                 if saved is not None:
@@ -1162,9 +1172,7 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                 return loss, (aux, jax.tree.leaves(nnx.split(model, wrt, ...)[2]))
 
             (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(pl)
-            # Through the all-gather (shards) and the implicit broadcast (whole leaves) the gradient is the
-            # sum over the host's devices: divide by their number for the host's mean.
-            grads = [g / jnp.asarray(size, g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g for g in grads]
+            grads = _host_mean(grads, size)
             params = nnx.as_pure(jax.tree.unflatten(ptree, pl))
             pure = jax.tree.structure(params)
             grads = jax.tree.unflatten(pure, grads)
