@@ -276,28 +276,122 @@ def test_a_round_with_a_nonfinite_client_is_skipped_and_changes_nothing(which):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_own_payload_solo_equals_shadow():
-    """A client's own decoded payload, by the solo evaluation and by the inner-vmap shadow, is the same, and the
-    mean of the clients' own payloads is the uplink collective's mean (random-k, QSGD: keyed by slot)."""
+def _clients_sent(comp, msg, clients=4):
+    """Every client's (mean, sent) of one uplink exchange under jax.vmap over the client axis."""
+    st = jax.tree.map(lambda a: jnp.stack([a] * clients), comp.init(jax.tree.map(lambda x: x[0], msg)))
+    up = jax.jit(jax.vmap(lambda m, s: uplink.exchange(comp, m, s, sent=True), axis_name=AX))(msg, st)
+    return up.mean, up.sent
+
+
+def test_sent_is_the_numpy_decoded_topk_payload():
+    """What each client sent, from the pipeline (uplink.exchange(..., sent=True), i.e. base.update_with_sent), is its
+    top-k payload decoded in NumPy (the k largest |entries| of each leaf, zeros elsewhere); an integer leaf passes
+    through as itself; the uplink mean is the mean of the clients' payloads; a skipped exchange sent zeros."""
+    rng = np.random.default_rng(5)
+    msg = {"w": jnp.asarray(rng.normal(size=(4, 5, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+           "n": jnp.arange(8, dtype=jnp.int32).reshape(4, 2)}
+    comp = cj.topk(0.34, error_feedback=False, axis_name=AX)
+    mean, sent = _clients_sent(comp, msg)
+    for s in range(4):
+        ref = np_topk(0.34)(0, s, {k: np.asarray(msg[k][s]) for k in ("w", "b")})
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(np.asarray(sent[k][s]), ref[k])
+    np.testing.assert_array_equal(np.asarray(sent["n"]), np.asarray(msg["n"]))
+    assert np.count_nonzero(np.asarray(sent["w"][0])) == 4 and np.count_nonzero(np.asarray(sent["b"][0])) == 2
+    assert_tree_close({k: mean[k][0] for k in ("w", "b")}, {k: np.asarray(sent[k]).mean(0) for k in ("w", "b")}, 1e-6)
+    bad = {**msg, "w": msg["w"].at[2, 0, 0].set(jnp.nan)}   # client 2 votes the exchange away
+    mean, sent = _clients_sent(cj.topk(0.34, error_feedback=False, skip_nonfinite=True, axis_name=AX), bad)
+    for k in ("w", "b"):
+        assert not np.asarray(sent[k]).any() and not np.asarray(mean[k]).any()
+
+
+@pytest.mark.parametrize("name", ["identity", "randomk", "qsgd", "cast-bf16", "cast-fp16", "signsgd", "e3m0"])
+def test_sent_averages_to_the_uplink_mean(name):
+    """For every compressor a SCALLION or SCAFCOM client can use, the clients' decoded payloads average to the
+    uplink collective's mean (random-k and QSGD: keyed by slot, so the draws are the exchange's own; fp16: its
+    all-reduce divides by the 4 clients before summing, in fp16); random-k without error feedback sends k of d
+    entries of each leaf scaled by d / k (unbiased)."""
+    comp = {"identity": lambda: cj.identity(AX), "randomk": lambda: cj.randomk(0.5, key=0, error_feedback=False,
+                                                                             axis_name=AX),
+            "qsgd": lambda: cj.qsgd(4, key=3, axis_name=AX), "cast-bf16": lambda: cj.cast(jnp.bfloat16, axis_name=AX),
+            "cast-fp16": lambda: cj.cast(jnp.float16, axis_name=AX),
+            "signsgd": lambda: cj.signsgd(error_feedback=False, axis_name=AX), "e3m0": lambda: cj.e3m0(axis_name=AX),
+            }[name]()
     msg = {"w": jax.random.normal(jax.random.PRNGKey(0), (4, 5, 2)), "b": jax.random.normal(jax.random.PRNGKey(1), (4, 2))}
-    for comp in (cj.randomk(0.5, key=0, error_feedback=False, axis_name=AX), cj.qsgd(4, key=3, axis_name=AX)):
-        st = jax.tree.map(lambda a: jnp.stack([a] * 4), comp.init(jax.tree.map(lambda x: x[0], msg)))
+    mean, sent = _clients_sent(comp, msg)
+    assert_tree_close(jax.tree.map(lambda a: a[0], mean), jax.tree.map(lambda a: np.asarray(a).mean(0), sent),
+                      1e-3 if name == "cast-fp16" else 1e-6)
+    if name == "identity":
+        assert_tree_close(sent, msg, 0)
+    else:
+        assert not np.allclose(np.asarray(sent["w"]), np.asarray(msg["w"]))  # it did compress
+    if name == "randomk":
+        for k in ("w", "b"):
+            got, m = np.asarray(sent[k]).reshape(4, -1), np.asarray(msg[k]).reshape(4, -1)
+            d = m.shape[1]
+            kk = math.ceil(0.5 * d)
+            assert (np.count_nonzero(got, axis=1) == kk).all()
+            np.testing.assert_allclose(got[got != 0], (d / kk) * m[got != 0], rtol=1e-6)
+            assert len({tuple(np.flatnonzero(r)) for r in got}) > 1  # each slot draws its own entries
 
-        def f(m, s, comp=comp):
-            keyed = hasattr(s, "key")
-            return (comp.update(m, s)[0], uplink.own_payload(comp, m, s, AX, keyed, "solo"),
-                    uplink.own_payload(comp, m, s, AX, keyed, "shadow"))
 
-        mean, solo, shadow = jax.jit(jax.vmap(f, axis_name=AX))(msg, st)
-        assert_tree_close(solo, shadow, 1e-6)
-        assert_tree_close(jax.tree.map(lambda a: a[0], mean), jax.tree.map(lambda a: a.mean(0), solo), 1e-6)
-        assert not np.allclose(np.asarray(solo["w"][0]), np.asarray(msg["w"][0]))  # it did compress
+def test_update_with_sent_refuses_what_cannot_tell():
+    """update_with_sent: ValueError for an optax transformation that is no compjax compressor, and for a compressor
+    whose exchange does not report what it sent (TernGrad: its scaler is shared by all workers)."""
+    from compjax.compressors.base import update_with_sent
+
+    g = {"w": jnp.ones(4)}
+    sgd = optax_sgd()
+    with pytest.raises(ValueError, match="compjax compressor"):
+        update_with_sent(sgd, g, sgd.init(g))
+    tern = cj.terngrad(key=0)
+    with pytest.raises(ValueError, match="does not report what it sent"):
+        update_with_sent(tern, g, tern.init(g))
+    top = cj.topk(0.5, error_feedback=False)
+    mean, state, sent = update_with_sent(top, g, top.init(g))  # one worker: the mean is what it sent
+    assert_tree_close(mean, sent, 0)
+    assert int(state.count) == 1
+
+
+def test_update_with_sent_on_sharded_parameters_gives_each_device_its_shard(mesh):
+    """On a 2 x 2 (slow x fast) mesh with "w" sharded over the fast axis (FSDP layout), what each device gets back
+    as sent is its shard of what the replicated layout sends: the whole layer's top-k, then sliced."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from compjax import layout
+    from compjax.compressors.base import update_with_sent
+
+    mesh = jax.make_mesh((2, 2), ("slow", "fast"), devices=mesh.devices.ravel()[:4])
+    rng = np.random.default_rng(0)
+    g = {"b": jnp.asarray(rng.normal(size=(2, 3)), jnp.float32), "w": jnp.asarray(rng.normal(size=(2, 8, 3)), jnp.float32)}
+    tx = cj.topk(0.25, error_feedback=False, axis_name="slow")
+    st = jax.vmap(tx.init)(g)
+
+    def run(specs, dims):
+        def body(g, s):
+            g, s = jax.tree.map(lambda a: a[0], (g, s))
+            with layout.fast_layout("fast", g, dims):
+                _, _, sent = update_with_sent(tx, g, s)
+            return jax.tree.map(lambda a: a[None], sent)
+
+        put = lambda t, sp: jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), t, sp)
+        st_specs = jax.tree.map(lambda a: P("slow"), st)
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, st_specs), out_specs=specs))
+        return jax.tree.map(np.asarray, step(put(g, specs), put(st, st_specs)))
+
+    sharded = run({"b": P("slow"), "w": P("slow", "fast")}, [None, 0])
+    whole = run({"b": P("slow"), "w": P("slow")}, None)
+    assert_tree_close(sharded, whole, 0)
+    assert [np.count_nonzero(sharded["w"][s]) for s in range(2)] == [6, 6]  # 25 % of the whole layer's 24 entries
 
 
 # ---------------------------------------------------------------- vmap vs shard_map, bytes vs audit
 
-@pytest.mark.parametrize("which", ["scallion-randomk", "scafcom-topk"])
+@pytest.mark.parametrize("which", ["scallion-randomk", "scallion-qsgd", "scafcom-topk"])
 def test_vmapped_and_sharded_agree_and_bytes_are_audited(mesh, which):
+    """One round's numbers under jax.vmap and under jax.shard_map agree, and the bytes are the audited ones (QSGD with
+    the non-finite vote: each client's decoded message comes from the exchange itself under shard_map too)."""
     n, s = 12, 8
     X, Y = data(n, seed=3)
     mesh = jax.make_mesh((s,), (AX,), devices=mesh.devices.ravel()[:s])
@@ -305,6 +399,8 @@ def test_vmapped_and_sharded_agree_and_bytes_are_audited(mesh, which):
     if which == "scallion-randomk":
         alg = cj.federated.scallion(loss_fn, alpha=0.5, compressor=cj.randomk(
             0.5, key=1, error_feedback=False, skip_nonfinite=False, axis_name=AX), **common)
+    elif which == "scallion-qsgd":
+        alg = cj.federated.scallion(loss_fn, alpha=0.5, compressor=cj.qsgd(16, key=2, axis_name=AX), **common)
     else:
         alg = cj.federated.scafcom(loss_fn, compressor=cj.topk(0.5, error_feedback=False, axis_name=AX), **common)
     sharded = alg.sharded(mesh)

@@ -66,6 +66,7 @@ from compjax.compressors import error_feedback as ef
 
 __all__ = [
     "COMMON_FIELDS", "Context", "Exchanged", "any_nonfinite", "check_axis", "compressor", "is_compressible", "silenced",
+    "update_with_sent",
 ]
 
 #: The fields every compressor state ends with.
@@ -97,9 +98,10 @@ class Exchanged(NamedTuple):
     Attributes:
       means: the mean over workers of the decoded leaves, one per input leaf
         (any float dtype: cast back to the gradients' dtypes).
-      sent: what this worker sent (for error feedback): the decoded own
-        payload per leaf, or :class:`compjax.compressors.error_feedback.SentAt`;
-        None without error feedback.
+      sent: what this worker sent (for error feedback and
+        :func:`update_with_sent`): the decoded own payload per leaf, or
+        :class:`compjax.compressors.error_feedback.SentAt` (``p`` exactly at
+        those entries); None where the exchange cannot tell.
       fields: the compressor's updated state fields (per-parameter fields as
         lists aligned with the leaves); fields left out are kept.
       nbytes: bytes this worker put into collectives: a Python int, or a
@@ -354,9 +356,13 @@ def compressor(
 
     def update_fn(updates, state, params=None, **extra_args):
         with jax.named_scope(who):  # the audit's op names then say whose collective it is: .../cj.topk/compjax/...
-            return _update(updates, state)
+            return _update(updates, state)[:2]
 
-    def _update(updates, state):
+    def with_sent_fn(updates, state):
+        with jax.named_scope(who):
+            return _update(updates, state, with_sent=True)
+
+    def _update(updates, state, with_sent=False):
         leaves, treedef = jax.tree.flatten(updates)
         sel = [i for i, g in enumerate(leaves) if is_compressible(g)]
         xs = [leaves[i] for i in sel]
@@ -382,7 +388,7 @@ def compressor(
             old = {**old, **{name: _map_dims(_gather_shard, old[name], fd, fast) for name, fd in fdims.items()}}
         if not xs:  # nothing to send
             nbytes, new = 0, old
-            outs, count, skipped = [], state.count + 1, state.skipped
+            outs, count, skipped, decoded = [], state.count + 1, state.skipped, []
         else:
             count, skipped = state.count + 1, state.skipped
             bad = None
@@ -418,7 +424,7 @@ def compressor(
                                for f, v in changed.items()}
                 if isinstance(sent, ef.SentAt):  # indices past the end: the residual's scatter drops them
                     sent = ef.SentAt([jnp.where(bad, x.size, i) for i, x in zip(sent.indices, xs)])
-                elif sent is not None:
+                elif sent is not None and (error_feedback or with_sent):  # else nothing reads it: no select
                     sent = [jnp.where(bad, jnp.zeros_like(d), d) for d in sent]
                 count = jnp.where(bad, state.count, count)
                 skipped = skipped + bad.astype(jnp.int32)
@@ -426,6 +432,7 @@ def compressor(
             new = {**old, **changed}
             if error_feedback:
                 new["residual"] = ef.remainder(ps, sent)
+            decoded = _decoded_sent(ps, sent, who) if with_sent else None
             outs = [collectives.like_varying(o, x) for o, x in zip(outs, xs)]
             new = _like(new, old)
         if dims is not None:
@@ -443,6 +450,81 @@ def compressor(
             skipped=_like(skipped, state.skipped),
             payload_bytes=_like(nbytes, state.payload_bytes),
         )
-        return jax.tree.unflatten(treedef, _put(leaves, sel, outs)), new_state
+        means = jax.tree.unflatten(treedef, _put(leaves, sel, outs))
+        if not with_sent:
+            return means, new_state, None
+        if dims is not None:
+            decoded = [_own_shard(o, d, fast) for o, d in zip(decoded, dims)]
+        decoded = [collectives.like_varying(o.astype(x.dtype), x) for o, x in zip(decoded, _pick(updates, sel))]
+        return means, new_state, jax.tree.unflatten(treedef, _put(leaves, sel, decoded))
 
+    update_fn.with_sent = with_sent_fn  # read by update_with_sent
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decoded_sent(ps: Sequence[jnp.ndarray], sent: Any, who: str) -> list:
+    """What an exchange reports as sent, as one dense array per leaf (:class:`~.error_feedback.SentAt`: ``p`` there, 0 elsewhere)."""
+    if sent is None:
+        raise ValueError(f"{who} does not report what it sent (its exchange gives sent=None: the decoded payload "
+                         "needs the other workers' data, or the compressor does not say), so update_with_sent cannot "
+                         "return it")
+    if isinstance(sent, ef.SentAt):  # indices past the end (a skipped step) mark nothing
+        marks = [jnp.zeros(p.size, jnp.bool_).at[i].set(True, mode="drop").reshape(p.shape) for p, i in zip(ps, sent.indices)]
+        return [jnp.where(m, p, jnp.zeros_like(p)) for p, m in zip(ps, marks)]
+    return list(sent)
+
+
+def update_with_sent(tx: optax.GradientTransformation, updates: Any, state: Any) -> tuple[Any, Any, Any]:
+    """``tx.update(updates, state)`` that also returns what this worker sent, as the receivers decode it.
+
+    One exchange (the same collectives, bytes and new state as ``tx.update``)
+    and, per worker, its own decoded message ``D(C(p))``: the payload that
+    error feedback subtracts (``e = p - D(C(p))``, with ``p = g + e`` when
+    the compressor has error feedback, else ``p = g``).  The mean over
+    workers of these is the returned mean for the compressors whose payload
+    each worker decodes alone (top-k and random-k: ``p`` at the sent entries,
+    random-k without error feedback scaled by ``d / k``; the quantizers and
+    casts: the dequantized values).  PowerSGD reports the rank-``r``
+    approximation built from the averaged factors.  On a step skipped by the
+    non-finite guard it is zeros.  Federated uplinks use it to tell each client
+    what the server received from it.
+
+    Args:
+      tx: a compjax compressor (built on :func:`compressor`; not wrapped in another transformation).
+      updates: this worker's gradients (a pytree), as for ``tx.update``.
+      state: ``tx``'s state.
+
+    Returns:
+      ``(means, new_state, sent)``: ``means`` and ``new_state`` as ``tx.update``
+      returns them; ``sent`` a pytree like ``updates`` (same shapes, dtypes and
+      varying mesh axes): the decoded own payload of every compressed leaf, and
+      the leaf itself where a leaf passes through (integer, boolean, empty).
+      Under sharded parameters, this device's shard of it.
+
+    Raises:
+      ValueError: ``tx`` is not a compjax compressor, or its exchange does not
+        report what it sent (TernGrad, DGC, SparseLoCo's chunk top-k: their
+        decoding needs the other workers' data or keeps its own memory).
+
+    References:
+      Karimireddy, Rebjock, Stich & Jaggi, "Error Feedback Fixes SignSGD and
+      other Gradient Compression Schemes", ICML 2019 (Alg. 2: ``e = p - C(p)``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import compjax as cj
+      >>> from compjax.compressors.base import update_with_sent
+      >>> tx = cj.topk(0.5, error_feedback=False, axis_name="w")
+      >>> g = jnp.array([[1.0, -3.0, 2.0, 0.5], [4.0, 0.0, -1.0, 0.0]])   # two workers
+      >>> state = jax.vmap(tx.init)(g)
+      >>> mean, _, sent = jax.vmap(lambda x, s: update_with_sent(tx, x, s), axis_name="w")(g, state)
+      >>> sent.tolist()
+      [[0.0, -3.0, 2.0, 0.0], [4.0, 0.0, -1.0, 0.0]]
+      >>> mean[0].tolist()
+      [2.0, -1.5, 0.5, 0.0]
+    """
+    with_sent = getattr(getattr(tx, "update", None), "with_sent", None)
+    if with_sent is None:
+        raise ValueError(f"tx must be a compjax compressor (built on compjax.compressors.base.compressor, not wrapped "
+                         f"in another transformation), got {tx!r}")
+    return with_sent(updates, state)

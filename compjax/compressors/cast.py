@@ -83,6 +83,6 @@ def cast(dtype, axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> o
                 return bucket.unflatten(jax.lax.bitcast_convert_type(w, jnp.bfloat16))
 
             means, nbytes = collectives.gathered_mean((words,), decode, ctx.axis_name)
-        return Exchanged(means, None, {}, nbytes)
+        return Exchanged(means, low, {}, nbytes)  # sent: p in the wire dtype
 
     return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)

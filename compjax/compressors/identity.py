@@ -59,6 +59,6 @@ def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> opta
 
     def exchange(ps, fields, ctx):
         means, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name)
-        return Exchanged(means, None, {}, nbytes)
+        return Exchanged(means, list(ps), {}, nbytes)  # sent: p itself
 
     return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)

@@ -82,14 +82,14 @@ def qsgd(
 
     def exchange(ps, fields, ctx):
         u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps)
-        means, _, nbytes = quantized_mean(
+        means, sent, nbytes = quantized_mean(
             ps,
             lambda i, x: q.qsgd_encode(x, levels, u[i]),
             lambda i, c, s, shape: q.qsgd_decode(c, s, levels, shape),
             bits,
             ctx.axis_name,
         )
-        return Exchanged(means, None, {}, nbytes)
+        return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
         QsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite,

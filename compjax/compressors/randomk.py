@@ -106,8 +106,13 @@ def randomk(
                 out.append((idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)))
             return out
 
-        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=choose_all, skip=ctx.skip)
-        return Exchanged(means, SentAt(indices), {}, nbytes)
+        pairs = choose_all(ps)
+        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=lambda _: pairs, skip=ctx.skip)
+        if error_feedback:
+            return Exchanged(means, SentAt(indices), {}, nbytes)
+        # Scaled by d / k: what was sent is no longer p at those entries, so say it densely.
+        sent = [jnp.zeros(p.size, p.dtype).at[i].set(v.astype(p.dtype)).reshape(p.shape) for p, (i, v) in zip(ps, pairs)]
+        return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
         RandomkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,

@@ -263,7 +263,7 @@ def fedavg(
     def client_update(server, client, comm, batches):
         y, loss = local_sgd(loss_fn, server.params, batches, local_lr)
         delta = jax.tree.map(lambda a, b: a - b, y, server.params)
-        mean, comm, skipped = uplink.exchange(comp, delta, comm)
+        mean, comm, skipped, _ = uplink.exchange(comp, delta, comm)
         return client, comm, mean, loss, skipped
 
     def server_update(server, mean, skipped):
@@ -278,7 +278,6 @@ def _single_message(name, loss_fn, *, num_clients, participation, local_steps, l
                     comp, message, momentum: bool) -> FederatedAlgorithm:
     """The single-message form shared by SCAFFOLD (one message), SCALLION and SCAFCOM."""
     S = _common_checks(loss_fn, num_clients, participation, local_steps, local_lr, global_lr)
-    info = message.info
 
     def client_update(server, client, comm, batches):
         x, c = server.params, server.control
@@ -286,8 +285,7 @@ def _single_message(name, loss_fn, *, num_clients, participation, local_steps, l
         y, loss = local_sgd(loss_fn, x, batches, local_lr, jax.tree.map(lambda a, b: a - b, c, c_i))
         g = _pseudo_gradient(x, y, local_lr, local_steps)   # = mean over k of (g_i^k − c_i + c)
         msg, v = message(g, c, c_i, client.momentum)
-        mean, new_comm, skipped = uplink.exchange(comp, msg, comm)
-        own = msg if info.kind == "exact" else uplink.own_payload(comp, msg, comm, client_axis, info.keyed)
+        mean, new_comm, skipped, own = uplink.exchange(comp, msg, comm, sent=True)  # own: msg as the server decoded it
         new = ClientState(jax.tree.map(lambda a, d: a + d.astype(a.dtype), c_i, own), v)
         return _where(skipped, client, new), new_comm, mean, loss, skipped
 
@@ -367,7 +365,7 @@ def scaffold(
     if single_message:
         return _single_message("scaffold", loss_fn, num_clients=num_clients, participation=participation,
                                local_steps=local_steps, local_lr=local_lr, global_lr=global_lr,
-                               client_axis=client_axis, comp=comp, message=_Scallion(1.0, _EXACT), momentum=False)
+                               client_axis=client_axis, comp=comp, message=_Scallion(1.0), momentum=False)
     S = _common_checks(loss_fn, num_clients, participation, local_steps, local_lr, global_lr)
 
     def client_update(server, client, comm, batches):
@@ -376,7 +374,7 @@ def scaffold(
         c_plus = jax.tree.map(lambda ci, cc, a, b: ci - cc + (a - b) / (local_steps * local_lr), c_i, c, x, y)
         dy = jax.tree.map(lambda a, b: a - b, y, x)
         dc = jax.tree.map(lambda a, b: a - b, c_plus, c_i)
-        mean, comm, skipped = uplink.exchange(comp, (dy, dc), comm)
+        mean, comm, skipped, _ = uplink.exchange(comp, (dy, dc), comm)
         return _where(skipped, client, ClientState(c_plus, None)), comm, mean, loss, skipped
 
     def server_update(server, mean, skipped):
@@ -388,14 +386,11 @@ def scaffold(
                   client_update=client_update, server_update=server_update, control=True, momentum=False)
 
 
-_EXACT = uplink.UplinkInfo("exact", False, "IdentityState")
-
-
 class _Scallion:
     """SCALLION's message ``α ((x − y_i)/(K η_l) − c)``; momentum untouched (None)."""
 
-    def __init__(self, alpha, info):
-        self.alpha, self.info = alpha, info
+    def __init__(self, alpha):
+        self.alpha = alpha
 
     def __call__(self, g, c, c_i, v):
         return jax.tree.map(lambda a, b: self.alpha * (a - b), g, c), v
@@ -404,8 +399,8 @@ class _Scallion:
 class _Scafcom:
     """SCAFCOM's momentum ``v_i ← (1 − β) v_i + β((x − y_i)/(K η_l) + c_i − c)`` and message ``v_i − c_i``."""
 
-    def __init__(self, beta, info):
-        self.beta, self.info = beta, info
+    def __init__(self, beta):
+        self.beta = beta
 
     def __call__(self, g, c, c_i, v):
         b = self.beta
@@ -487,10 +482,10 @@ def scallion(
     """
     check_range("alpha", alpha, 0.0, 1.0, lo_open=True)
     comp = identity(client_axis, skip_nonfinite=False) if compressor is None else compressor
-    info = uplink.check_uplink(comp, client_axis, algorithm="scallion", accepts=frozenset({"exact", "unbiased"}))
+    uplink.check_uplink(comp, client_axis, algorithm="scallion", accepts=frozenset({"exact", "unbiased"}), sent=True)
     return _single_message("scallion", loss_fn, num_clients=num_clients, participation=participation,
                            local_steps=local_steps, local_lr=local_lr, global_lr=global_lr, client_axis=client_axis,
-                           comp=comp, message=_Scallion(float(alpha), info), momentum=False)
+                           comp=comp, message=_Scallion(float(alpha)), momentum=False)
 
 
 def scafcom(
@@ -561,7 +556,7 @@ def scafcom(
     """
     check_range("beta", beta, 0.0, 1.0, lo_open=True)
     comp = identity(client_axis, skip_nonfinite=False) if compressor is None else compressor
-    info = uplink.check_uplink(comp, client_axis, algorithm="scafcom", accepts=frozenset({"exact", "biased"}))
+    uplink.check_uplink(comp, client_axis, algorithm="scafcom", accepts=frozenset({"exact", "biased"}), sent=True)
     return _single_message("scafcom", loss_fn, num_clients=num_clients, participation=participation,
                            local_steps=local_steps, local_lr=local_lr, global_lr=global_lr, client_axis=client_axis,
-                           comp=comp, message=_Scafcom(float(beta), info), momentum=True)
+                           comp=comp, message=_Scafcom(float(beta)), momentum=True)
