@@ -27,7 +27,7 @@ import compjax as cj
 from compjax import bytecount, parallel
 from compjax.checkpoint import Checkpointer
 from experiments import cifar10, compressors, data, distributed, models, records
-from experiments.train import check_step_flags, count_steps, parse_mesh
+from experiments.checks import check_step_flags, count_steps, parse_mesh
 
 AXIS = "data"  # the compressed axis (the slow axis of a 2-D mesh)
 FAST = "fast"  # the fast axis of a 2-D mesh (--mesh), averaged densely
