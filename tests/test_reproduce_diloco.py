@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import records
+from experiments import config_cli, records
 from experiments.reproduce import diloco as repro
 from tests.helpers import files_under
 from tests.tiny_shakespeare import use_excerpt
@@ -103,9 +103,9 @@ def test_a_bad_argument_exits_with_one_line(args, says, monkeypatch, tmp_path):
 
 def test_streaming_row_takes_its_own_sync_every(monkeypatch):
     """config.streaming.sync_every (0: the DiLoCo rows' H) is the H the Streaming row is built and labelled with."""
-    config = repro.config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=0"])
+    config = config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=0"])
     assert repro.streaming_h(config) == 4 and "H = 4, 4 fragments" in repro.labels(config)["streaming"]
-    config = repro.config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=6"])
+    config = config_cli.load(repro.DEFAULT_CONFIG, ["--config.sync_every=4", "--config.streaming.sync_every=6"])
     assert repro.streaming_h(config) == 6 and "H = 6, 4 fragments" in repro.labels(config)["streaming"]
     assert "H = 4 (fp32" in repro.labels(config)["diloco"]
     import compjax

@@ -61,7 +61,6 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
 import functools
 import json
 import math
-import shlex
 import time
 from pathlib import Path
 
@@ -76,6 +75,7 @@ from compjax import collectives as cj_collectives
 from compjax import netmodel
 from compjax.accounting import Collective
 from experiments import config_cli, imagenet_models, records
+from experiments.reproduce import common
 
 STEM = "bandwidth_table"
 PROG = "python -m experiments.reproduce.bandwidth_table"
@@ -450,46 +450,37 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> None:
     """Modelled step time (no overlap) per compressor, one panel per model (matplotlib, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = res["models"]
     comps = list(COMPRESSORS)
     configs = [(net, n) for net in _network_names(res) for n in res["meta"]["workers"]]
-    fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.6 * len(models)), squeeze=False)
     rows = {(r["model"], r["compressor"], r["network"], r["workers"]): r for r in res["rows"]}
     width = 0.8 / len(configs)
-    for ax, m in zip(axes[:, 0], models):
-        for j, (net, n) in enumerate(configs):
-            ys = [rows[(m["model"], c, net, n)]["no_overlap_s"] * 1e3 for c in comps]
-            xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(comps))]
-            ax.bar(xs, ys, width, label=f"{_SHORT.get(net, net)}, {n} workers")
-        ax.axhline(m["compute_s"] * 1e3, color="k", ls="--", lw=1, label="compute only")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(comps)), comps, rotation=20)
-        ax.set_ylabel("step time, no overlap (ms)")
-        ax.set_title(f"{m['model']} ({m['parameters'] / 1e6:.1f}M parameters, {m['compute_s'] * 1e3:.0f} ms compute)")
-        ax.grid(axis="y", which="both", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, ncol=len(labels), fontsize=9, loc="lower center")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with common.figure(path, figsize=(12, 3.6 * len(models)), dpi=110, rect=(0, 0.03, 1, 1), nrows=len(models),
+                       ncols=1, squeeze=False) as (fig, axes):
+        for ax, m in zip(axes[:, 0], models):
+            for j, (net, n) in enumerate(configs):
+                ys = [rows[(m["model"], c, net, n)]["no_overlap_s"] * 1e3 for c in comps]
+                xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(comps))]
+                ax.bar(xs, ys, width, label=f"{_SHORT.get(net, net)}, {n} workers")
+            ax.axhline(m["compute_s"] * 1e3, color="k", ls="--", lw=1, label="compute only")
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(comps)), comps, rotation=20)
+            ax.set_ylabel("step time, no overlap (ms)")
+            ax.set_title(f"{m['model']} ({m['parameters'] / 1e6:.1f}M parameters, {m['compute_s'] * 1e3:.0f} ms "
+                         "compute)")
+            ax.grid(axis="y", which="both", alpha=0.3)
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, ncol=len(labels), fontsize=9, loc="lower center")
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.workers=8,16")
-    records.add_output_arguments(p, "reproduce")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.workers=8,16")
     p.add_argument("--small", action="store_true", help="tiny models of the same families (tests)")
     p.add_argument("--audit", action="store_true",
                    help="also compile each program and check its collectives' bytes against the trace (slow)")
-    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args, out_dir, command = head.config, head.args, head.out_dir, head.command
     check(config)
-    out_dir = records.output_dir(args, "reproduce")
-    command = shlex.join([*PROG.split(), *argv])
     t0 = time.perf_counter()
     res = compute(config, small=args.small, check_audit=args.audit)
     res["meta"] = {"small": args.small, "audited": args.audit, "run_s": time.perf_counter() - t0,

@@ -46,11 +46,10 @@ The modeled run time is the number of steps times the step time.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 
-from experiments import config_cli, records, train  # train first: 8 simulated CPU devices before JAX starts
+from experiments import config_cli, train  # train first: 8 simulated CPU devices before JAX starts
+from experiments.reproduce import common
 from experiments.reproduce.dgc import read_records
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dga_fashion_mnist_cnn.py"
@@ -256,47 +255,33 @@ def table(rows: list[dict], network_name: str, compute_s: float, period: int = 1
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Test accuracy against modeled wall-clock time (both models), one point per delay."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label, marker in (("paper", "paper's system (exchange may take D steps)", "o"),
-                               ("in_step", "compjax in-step overlap", "s")):
-        xs = [r[key] * r["steps"] / 60 for r in rows]
-        ax.plot(xs, [100 * r["accuracy"] for r in rows], marker=marker, linestyle="", label=label)
-        for r, x in zip(rows, xs):
-            ax.annotate(f"D={r['delay']}", (x, 100 * r["accuracy"]), fontsize=8, xytext=(3, 3),
-                        textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("modeled wall-clock time (minutes, log scale)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with common.figure(path, figsize=(6, 4)) as (_, ax):
+        for key, label, marker in (("paper", "paper's system (exchange may take D steps)", "o"),
+                                   ("in_step", "compjax in-step overlap", "s")):
+            xs = [r[key] * r["steps"] / 60 for r in rows]
+            ax.plot(xs, [100 * r["accuracy"] for r in rows], marker=marker, linestyle="", label=label)
+            for r, x in zip(rows, xs):
+                ax.annotate(f"D={r['delay']}", (x, 100 * r["accuracy"]), fontsize=8, xytext=(3, 3),
+                            textcoords="offset points")
+        common.finish_axes(ax, "modeled wall-clock time (minutes, log scale)", "test accuracy (%)", title, log_x=True,
+                           legend_size=8)
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run")
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
-    records.add_output_arguments(p, "reproduce")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run",
+                      report_only="only rebuild the table and plot from the records",
+                      readme=f"also replace the results:{NAME} block of this file (results:{NAME}_k<K> with a period "
+                             "K > 1)")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
-    p.add_argument("--readme", type=Path, default=None,
-                   help=f"also replace the results:{NAME} block of this file (results:{NAME}_k<K> with a period K > 1)")
     p.add_argument("--stability", action="store_true",
                    help="only print, per delay, the eta*lambda below which the workers' deviations stay bounded")
-    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args, out_dir = head.config, head.args, head.out_dir
     period = period_of(config)
     if args.stability:
         print(stability_text(config.train.momentum, config.delays, period))
         return []
     name, folder = names(config)
-    out_dir = records.output_dir(args, "reproduce")
     from compjax import netmodel
 
     network = netmodel.Network.presets()[config.network]
@@ -305,8 +290,7 @@ def main(argv=None) -> list[dict]:
     record_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for d in delays:
-            train.run_config(run_config(config, d), out=record_dir / f"delay{d}.jsonl",
-                             command=shlex.join([*PROG.split(), *argv]))
+            train.run_config(run_config(config, d), out=record_dir / f"delay{d}.jsonl", command=head.command)
     rows, audits, compute_s = [], {}, None
     for d in sorted(config.delays):
         path = record_dir / f"delay{d}.jsonl"

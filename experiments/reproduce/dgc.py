@@ -35,13 +35,12 @@ the whole run (warm-up included).
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import ml_collections
 
-from experiments import config_cli, records, train
+from experiments import config_cli, train
+from experiments.reproduce import common
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIGS / "dgc_fashion_mnist_cnn.py"
@@ -150,41 +149,27 @@ def epochs_run(summary: dict) -> str:
 
 def plot(results: Results, path: Path, title: str) -> None:
     """Test accuracy per epoch of every run, the mean over seeds (matplotlib, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, runs in results.items():
-        n = min(len(epochs) for epochs, _ in runs)
-        acc = [100 * sum(epochs[e]["test_accuracy"] for epochs, _ in runs) / len(runs) for e in range(n)]
-        ax.plot([runs[0][0][e]["epoch"] for e in range(n)], acc, marker="o", label=name)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy (%), mean over seeds")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with common.figure(path, figsize=(6, 4)) as (_, ax):
+        for name, runs in results.items():
+            n = min(len(epochs) for epochs, _ in runs)
+            acc = [100 * sum(epochs[e]["test_accuracy"] for epochs, _ in runs) / len(runs) for e in range(n)]
+            ax.plot([runs[0][0][e]["epoch"] for e in range(n)], acc, marker="o", label=name)
+        common.finish_axes(ax, "epoch", "test accuracy (%), mean over seeds", title)
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "", config_help=(
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "", config_help=(
         "config file (default: experiments/configs/dgc_fashion_mnist_cnn.py; experiments/configs/dgc_cifar10_resnet20.py "
-        "for CIFAR-10); --config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run"))
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the records")
-    records.add_output_arguments(p, "reproduce")
+        "for CIFAR-10); --config.KEY=VALUE overrides a key, e.g. --config.train.epochs=1 for every run"),
+        report_only="only rebuild the table and plot from the records",
+        readme="also replace the results:dgc_<config> block of this file")
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. DGC")
-    p.add_argument("--readme", type=Path, default=None, help="also replace the results:dgc_<config> block of this file")
     p.add_argument("--seeds", default=None, help="comma-separated seeds to run (default: the config's seeds); "
                    "the table averages every seed it finds")
-    config, args, config_args = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
-    path = next((a.split("=", 1)[1] for a in config_args if a.startswith("--config=")), str(DEFAULT_CONFIG))
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args, out_dir = head.config, head.args, head.out_dir
+    path = next((a.split("=", 1)[1] for a in head.config_args if a.startswith("--config=")), str(DEFAULT_CONFIG))
     name = tag(path)
-    out_dir = records.output_dir(args, "reproduce")
     record_dir = out_dir / "dgc" / name
     record_dir.mkdir(parents=True, exist_ok=True)
     todo = runs(config)
@@ -198,8 +183,7 @@ def main(argv=None) -> dict:
                 if only and run_name not in only:
                     continue
                 cfg.seed = seed
-                train.run_config(cfg, out=record_path(record_dir, run_name, seed),
-                                 command=shlex.join([*PROG.split(), *argv]))
+                train.run_config(cfg, out=record_path(record_dir, run_name, seed), command=head.command)
     results = load_results(record_dir, list(todo))
     if not results:
         raise SystemExit(f"no records under {record_dir}")

@@ -43,10 +43,10 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
                                " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
 import json
-import shlex
 from pathlib import Path
 
-from experiments import config_cli, records
+from experiments import records
+from experiments.reproduce import common
 
 NAME = "diloco_tiny_shakespeare"
 PROG = "python -m experiments.reproduce.diloco"
@@ -216,45 +216,35 @@ def table(rows: list[dict], config) -> str:
 
 
 def plot(results: dict[str, dict], path: Path, config) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     label = labels(config)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for row in ROWS:
-        if row not in results:
-            continue
-        r = results[row]
-        loss = global_loss(r)
-        a.plot(r["eval_step"], loss, marker="o", label=label[row])
-        cum = np.cumsum([0] + r["payload_bytes"])
-        b.plot([max(cum[s], 1) for s in r["eval_step"]], loss, marker="o", label=label[row])
-    a.set_xlabel("step")
-    a.set_ylabel("validation loss (nats/char, global model)")
-    b.set_xscale("log")
-    b.set_xlabel("bytes sent per worker so far")
-    a.legend(fontsize=7)
-    a.set_title("loss vs step")
-    b.set_title("loss vs bytes")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with common.figure(path, figsize=(11, 4), dpi=110, nrows=1, ncols=2) as (_, (a, b)):
+        for row in ROWS:
+            if row not in results:
+                continue
+            r = results[row]
+            loss = global_loss(r)
+            a.plot(r["eval_step"], loss, marker="o", label=label[row])
+            cum = np.cumsum([0] + r["payload_bytes"])
+            b.plot([max(cum[s], 1) for s in r["eval_step"]], loss, marker="o", label=label[row])
+        a.set_xlabel("step")
+        a.set_ylabel("validation loss (nats/char, global model)")
+        b.set_xscale("log")
+        b.set_xlabel("bytes sent per worker so far")
+        a.legend(fontsize=7)
+        a.set_title("loss vs step")
+        b.set_title("loss vs bytes")
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.steps=100")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.steps=100",
+                      report_only="rebuild the table and plot from the records",
+                      readme=f"also replace the results:{NAME} block of this file")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="which runs (default: all)")
-    p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from the records")
-    records.add_output_arguments(p, "reproduce")
-    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
-    out = records.output_dir(args, "reproduce")
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args, out, command = head.config, head.args, head.out_dir, head.command
     record_dir = out / "diloco"
-    command = shlex.join([*PROG.split(), *argv])
     label = labels(config)
     record_dir.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -42,12 +42,11 @@ config, provenance, split histogram, every curve), ``.md`` (the table) and
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
 from experiments import config_cli, records
+from experiments.reproduce import common
 
 NAME = "federated_fashion_mnist"
 PROG = "python -m experiments.reproduce.federated"
@@ -286,46 +285,32 @@ def table(summary: list[dict], target: float, ref: str, settings) -> str:
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
     """Test accuracy (mean over seeds) against cumulative uplink bytes, one line per row, log x."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     rows: dict[str, list[dict]] = {}
     for r in runs:
         rows.setdefault(r["row"], []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k, v in rows.items():
-        xs = [p["uplink_bytes"] for p in v[0]["curve"]]
-        ys = 100 * np.mean([[p["test_accuracy"] for p in r["curve"]] for r in v], axis=0)
-        ax.plot(xs, ys, label=k, marker="." if "%" in k else None)
-    ax.set_xscale("log")
-    ax.set_xlabel("cumulative uplink bytes (all participating clients)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with common.figure(path, figsize=(7, 4.5)) as (_, ax):
+        for k, v in rows.items():
+            xs = [p["uplink_bytes"] for p in v[0]["curve"]]
+            ys = 100 * np.mean([[p["test_accuracy"] for p in r["curve"]] for r in v], axis=0)
+            ax.plot(xs, ys, label=k, marker="." if "%" in k else None)
+        common.finish_axes(ax, "cumulative uplink bytes (all participating clients)", "test accuracy (%)", title,
+                           log_x=True, title_size=9, legend_size=8)
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.rounds=20 --config.seeds=0")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.rounds=20 --config.seeds=0",
+                      readme=f"also replace the results:{NAME} block of this file")
     p.add_argument("--rows", default="", help="comma-separated names of the config's rows to run (default: all)")
-    records.add_output_arguments(p, "reproduce")
-    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args, out_dir, command = head.config, head.args, head.out_dir, head.command
     check(config)
     all_rows = rows_of(config)
     rows = args.rows.split(",") if args.rows else list(all_rows)
     unknown = [r for r in rows if r not in all_rows]
     if unknown:
         raise SystemExit(f"{PROG}: --rows: unknown rows {unknown}; the config's rows: {', '.join(all_rows)}")
-    out_dir = records.output_dir(args, "reproduce")
-    command = shlex.join([*PROG.split(), *argv])
     t0 = time.time()
     provenance = records.provenance(command)
     data = load_data(config)

@@ -17,13 +17,12 @@ a row, mean ± standard deviation) goes to ``<out>/main_job.md``, where
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 
 import ml_collections
 
-from experiments import config_cli, records, results_table, train
+from experiments import config_cli, results_table, train
+from experiments.reproduce import common
 from experiments.reproduce.dgc import record_path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "main_job_table.py"
@@ -46,20 +45,19 @@ def runs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDi
 
 
 def main(argv=None) -> str:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = config_cli.script_parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run")
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table from the records")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run",
+                      report_only="only rebuild the table from the records",
+                      readme=f"also replace the results:{NAME} block of this file")
     p.add_argument("--only", default="", help="comma-separated run names to (re)run, e.g. topk,dgc")
-    records.add_output_arguments(p, "reproduce")
-    p.add_argument("--readme", type=Path, default=None, help=f"also replace the results:{NAME} block of this file")
-    config, args, _ = config_cli.parse_script(p, argv, DEFAULT_CONFIG)
+    head = common.parse(p, argv, DEFAULT_CONFIG)
+    config, args = head.config, head.args
     todo = runs(config)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if unknown := sorted(set(only) - set(todo)):
         raise SystemExit(f"--only {args.only}: no run named {unknown}; runs: {', '.join(todo)}")
     for name, cfg in todo.items():  # every run's config is checked before the first one trains
         train.check(cfg, train.build_parser().parse_args([]))
-    out_dir = records.output_dir(args, "reproduce")
+    out_dir = head.out_dir
     record_dir = out_dir / NAME
     record_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -68,8 +66,7 @@ def main(argv=None) -> str:
                 if only and name not in only:
                     continue
                 cfg.seed = seed
-                train.run_config(cfg, out=record_path(record_dir, name, seed),
-                                 command=shlex.join([*PROG.split(), *argv]))
+                train.run_config(cfg, out=record_path(record_dir, name, seed), command=head.command)
     summaries = results_table.load_summaries(record_dir)
     if not summaries:
         raise SystemExit(f"no run summaries under {record_dir}")
