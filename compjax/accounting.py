@@ -337,7 +337,8 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
       fn: a function or a ``jax.jit``-wrapped function, or a program already
         compiled (``jitted.lower(...).compile()``, then no arguments): the
         audit then reads the very program that runs.
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: example positional arguments of ``fn`` (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: example keyword arguments of ``fn``, the same kinds.
 
     Returns:
       A list of :class:`Collective`, in program order.

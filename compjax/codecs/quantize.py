@@ -9,13 +9,33 @@ them, e.g. ``jax.random.uniform(key, (x.size,))``, so the codecs stay
 deterministic functions, checkable against NumPy) and are unbiased over ``u``:
 ``E[decode(encode(x, u))] = x``.
 
-| codec | bits/element | scales per layer | paper |
-|---|---|---|---|
-| 1-bit SGD | 1 | 2 per column | Seide et al. 2014 |
-| MXNet 2-bit | 2 | none (threshold is known) | MXNet gradient compression docs |
-| TernGrad | 2 | 1 (shared, sent by max-reduce) | Wen et al. 2017 |
-| QSGD, s levels | ``ceil(log2(s + 1)) + 1`` | 1 (``‖v‖₂``) | Alistarh et al. 2017 |
-| scaled sign | 1 | 1 (``‖p‖₁ / d``) | Karimireddy et al. 2019 |
+.. list-table::
+   :header-rows: 1
+
+   * - codec
+     - bits/element
+     - scales per layer
+     - paper
+   * - 1-bit SGD
+     - 1
+     - 2 per column
+     - Seide et al. 2014
+   * - MXNet 2-bit
+     - 2
+     - none (threshold is known)
+     - MXNet gradient compression docs
+   * - TernGrad
+     - 2
+     - 1 (shared, sent by max-reduce)
+     - Wen et al. 2017
+   * - QSGD, s levels
+     - ``ceil(log2(s + 1)) + 1``
+     - 1 (``‖v‖₂``)
+     - Alistarh et al. 2017
+   * - scaled sign
+     - 1
+     - 1 (``‖p‖₁ / d``)
+     - Karimireddy et al. 2019
 """
 
 from __future__ import annotations
