@@ -15,7 +15,7 @@ from tests.tiny_shakespeare import use_excerpt
 TINY = ["--config.train.steps=8", "--config.train.eval_every=4", "--config.train.eval_batches=1",
         "--config.train.batch_per_worker=2", "--config.train.seq_len=16", "--config.sync_every=4",
         "--config.streaming.sync_every=0", "--config.streaming.fragments=2"]
-ROWS = ["data-parallel", "streaming"]
+ROWS = ["data-parallel", "streaming", "streaming-fsdp"]
 
 
 def _outputs(rows):
@@ -25,7 +25,7 @@ def _outputs(rows):
 
 @pytest.fixture(scope="module")
 def tiny_run(roots):
-    """Data-parallel and Streaming DiLoCo, 8 steps, with the default output: (rows by name, records by name).
+    """Data-parallel and Streaming DiLoCo (also sharded), 8 steps, with the default output: (rows by name, records by name).
 
     The text is the committed excerpt of Tiny Shakespeare (tests/data), found through $COMPJAX_TINYSHAKESPEARE."""
     with pytest.MonkeyPatch.context() as mp:
@@ -54,6 +54,14 @@ def test_rows_bytes_and_table_under_runs(tiny_run, roots):
     assert st["bytes_ratio"] == pytest.approx(dp["total_bytes"] / st["total_bytes"])
     assert st["val_loss_mean"] == recs["streaming"]["val_loss_mean"][-1]
     assert st["label"] == "Streaming DiLoCo, H = 4, 2 fragments, τ = 1, E3M0"  # the labels follow the config
+    # Sharded over 2 devices per worker (4 x 2 mesh, each device half the worker's batch): the same run.
+    sh = recs["streaming-fsdp"]
+    assert sh["config"]["mesh"] == "4x2" and sh["config"]["fsdp"] and sh["config"]["batch_per_worker"] == 1
+    # The same syncs; a few bytes more where a payload does not split evenly into the 2 devices' pieces.
+    assert [bool(b) for b in sh["payload_bytes"]] == [bool(b) for b in sent]
+    assert all(0 <= a - b <= 16 for a, b in zip(sh["payload_bytes"], sent)), (sh["payload_bytes"], sent)
+    for key in ("val_loss_global", "val_loss_mean", "val_loss_worker0", "train_loss"):
+        assert sh[key] == pytest.approx(recs["streaming"][key], abs=2e-4), key
     out = runs / "reproduce"
     md = (out / f"{repro.NAME}.md").read_text()
     assert f"{st['total_bytes']:,}" in md and f"{st['val_loss_mean']:.4f}" in md and ", 8 steps, AdamW" in md

@@ -1,8 +1,8 @@
 """DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
 
-Nine runs with the same model, data, steps, seed and inner learning-rate
+Ten runs with the same model, data, steps, seed and inner learning-rate
 schedule: data-parallel AdamW, DiLoCo (H = 50), Streaming DiLoCo (H = 13,
-4 fragments, E3M0 outer gradients), DiLoCo with top-k outer gradients,
+4 fragments, E3M0 outer gradients; and the same sharded over 2 devices per worker), DiLoCo with top-k outer gradients,
 SparseLoCo (H = 15 and H = 50: chunk top-k, 2-bit values, decayed error
 feedback instead of outer momentum), DeMo (per step: DCT top-k of the
 momentum, sign update), and DiLoCo with a Muon inner optimizer beside
@@ -52,5 +52,9 @@ def get_config() -> ml_collections.ConfigDict:
     # (AdamW's); 1e-3 ended at 1.8407 instead of 1.7628.
     config.demo = ml_collections.ConfigDict({"lr": 3e-3, "decay": 0.999, "k": 32, "chunk": 64, "values": "float32",
                                              "weight_decay": 0.0})
+    # The sharded row ("streaming-fsdp"): Streaming DiLoCo as above, each worker a host of fsdp_fast devices over
+    # which its parameters, AdamW moments and outer state are sharded (parallel.fsdp_specs) and its batch split:
+    # the same numbers as the "streaming" row up to float rounding, 1/fsdp_fast of the state per device.
+    config.fsdp_fast = 2
     config.muon_lr = 0.02  # the Muon rows: Muon's peak for the matrices (AdamW's schedule for the rest)
     return config

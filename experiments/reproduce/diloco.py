@@ -1,6 +1,6 @@
 """DiLoCo and Streaming DiLoCo on a character-level transformer (Tiny Shakespeare), 4 workers, on CPU.
 
-    python -m experiments.reproduce.diloco                        # 9 runs, ~30 min on a 2-core CPU
+    python -m experiments.reproduce.diloco                        # 10 runs, ~35 min on a 2-core CPU
     python -m experiments.reproduce.diloco --config.train.steps=100 --rows data-parallel diloco   # a quick look
     python -m experiments.reproduce.diloco --publish --report-only --readme README.md   # the committed table
 
@@ -13,6 +13,9 @@ Rows (every one the same model, data, steps, seed and inner learning-rate schedu
   float32 outer gradients (Douillard et al. 2023);
 * **Streaming DiLoCo**: its own H = 13, 4 fragments (offsets 0, 3, 6 and 9), overlap τ = 1, α = 0.5, outer
   Nesterov lr 1.0, outer gradients sent as 4-bit E3M0 without error feedback (Douillard et al. 2025);
+* **Streaming DiLoCo, sharded**: the same run on a 4 × 2 mesh, each worker a host of 2 devices over which its
+  parameters, AdamW moments and outer state are sharded (``parallel.fsdp_specs``) and its batch is split: the
+  same numbers up to float rounding, half the state per device (``config.fsdp_fast``);
 * **DiLoCo + top-k**: H = 50, outer gradients through ``cj.topk(0.05)`` with error feedback;
 * **SparseLoCo**: ``cj.sparseloco(adamw, sync_every=15)`` (and H = 50): the top 128 entries of each 64 x 64
   tile of a decayed error-feedback accumulator (β = 0.95), 2-bit values, 12-bit tile-local indices, plain outer
@@ -51,8 +54,8 @@ from experiments.reproduce import common
 NAME = "diloco_tiny_shakespeare"
 PROG = "python -m experiments.reproduce.diloco"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / f"{NAME}.py"
-ROWS = ("data-parallel", "diloco", "streaming", "diloco-topk", "sparseloco", "sparseloco-h50", "demo", "diloco-muon",
-        "data-parallel-muon")
+ROWS = ("data-parallel", "diloco", "streaming", "streaming-fsdp", "diloco-topk", "sparseloco", "sparseloco-h50", "demo",
+        "diloco-muon", "data-parallel-muon")
 
 
 def labels(config) -> dict[str, str]:
@@ -62,6 +65,8 @@ def labels(config) -> dict[str, str]:
         "data-parallel": "data-parallel (AdamW, fp32 all-reduce every step)",
         "diloco": f"DiLoCo, H = {h} (fp32 outer gradients)",
         "streaming": f"Streaming DiLoCo, H = {streaming_h(config)}, {st.fragments} fragments, τ = {st.overlap}, E3M0",
+        "streaming-fsdp": (f"the same, each worker's parameters and state sharded over {config.fsdp_fast} devices "
+                           f"(FSDP, {config.train.workers} × {config.fsdp_fast} mesh)"),
         "diloco-topk": f"DiLoCo, H = {h}, top-k {100 * config.topk_ratio:g}% + error feedback",
         "sparseloco": sparseloco_label(config, config.sparseloco.sync_every),
         "sparseloco-h50": sparseloco_label(config, h),
@@ -111,7 +116,7 @@ def make_tx(row: str, config):
             return optax.chain(cj.identity(axis_name=ax), adamw)
         if row == "diloco":
             return cj.diloco(adamw, sync_every=h, axis_name=ax)
-        if row == "streaming":
+        if row in ("streaming", "streaming-fsdp"):
             return cj.diloco(adamw, sync_every=streaming_h(config), fragments=st.fragments, overlap=st.overlap, alpha=st.alpha,
                              outer=optax.sgd(st.outer_lr, momentum=0.9, nesterov=True),
                              compressor=cj.e3m0(error_feedback=False, skip_nonfinite=False, axis_name=ax),
@@ -142,7 +147,13 @@ def run(row: str, config) -> dict:
     """One row's training run (:func:`experiments.lm.train.train` with ``config.train``)."""
     from experiments.lm.train import train
 
-    res = train(make_tx(row, config), log=print, **config.train.to_dict())
+    kwargs = config.train.to_dict()
+    if row == "streaming-fsdp":  # each worker a host of fsdp_fast devices, the host's batch split over them
+        fast, per = config.fsdp_fast, kwargs["batch_per_worker"]
+        if fast < 1 or per % fast:
+            raise SystemExit(f"{PROG}: fsdp_fast = {fast} must be >= 1 and divide batch_per_worker = {per}")
+        kwargs.update(mesh=f"{kwargs['workers']}x{fast}", fsdp=True, batch_per_worker=per // fast)
+    res = train(make_tx(row, config), log=print, **kwargs)
     res["row"] = row
     return res
 
