@@ -107,12 +107,12 @@ def test_existing_loop_recipes_are_the_example_programs():
 
 
 def test_sharded_parameters_block_prints_what_its_page_says():
-    """The FSDP block of the sharded-parameters page runs and prints the line the page quotes."""
+    """Each block of the sharded-parameters page (pytree, NNX) runs and prints the line the page quotes after it."""
     text = SHARDED.read_text()
-    (block,) = fenced(text, "python")
-    printed = run_block(block, "docs sharded parameters").strip()
-    quoted = re.search(r"^prints `([^`]*)`", text, re.MULTILINE).group(1)
-    assert printed == quoted
+    blocks, quoted = fenced(text, "python"), re.findall(r"^prints `([^`]*)`", text, re.MULTILINE)
+    assert len(blocks) == len(quoted) == 2
+    for block, line in zip(blocks, quoted):
+        assert run_block(block, "docs sharded parameters").strip() == line
 
 
 def other_docs_blocks() -> list[tuple[str, str]]:
