@@ -3,11 +3,13 @@
     SMALL=1 .venv/bin/python colab/run_all.py                  # every colab/*.ipynb, sorted by name
     SMALL=1 .venv/bin/python colab/run_all.py 02 04_quantizers  # only these (number, stem or file name)
     SMALL=0 .venv/bin/python colab/run_all.py --max-seconds 0 --timeout 3600   # full settings (CPU: ~40 min)
+    SMALL=1 .venv/bin/python colab/run_all.py --store          # refresh the outputs committed in colab/
 
 Each notebook runs in a fresh ``python3`` kernel of this interpreter (nbclient), with the repository root
 as its working directory (so ``import experiments`` works and the install cell has nothing to do) and
 ``SMALL=1`` in its environment unless ``SMALL`` is already set.  The executed copies are written to
-``runs/notebooks/`` (git-ignored), the failing ones included; nothing else is written.
+``runs/notebooks/`` (git-ignored), the failing ones included; nothing else is written, unless ``--store``
+writes each notebook that passes back to ``colab/`` with its outputs (what GitHub, Colab and the docs show).
 
 A notebook passes when every cell runs without an error within ``--timeout`` seconds (the whole
 notebook, not each cell), and its outputs hold at least one plot (an ``image/png`` output) and at least
@@ -20,6 +22,7 @@ notebooks run at once (default 2: a notebook's time is mostly XLA compiling on o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -136,12 +139,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds for one notebook (default 600)")
     p.add_argument("--max-seconds", type=float, default=300,
                    help="fail if all notebooks together take longer, wall clock (default 300; 0: no limit)")
+    p.add_argument("--store", action="store_true",
+                   help="write each notebook that passes, with its outputs, back to colab/ (what GitHub and the docs "
+                        "show; SMALL=1 only)")
     p.add_argument("--jobs", type=int, default=2,
                    help="notebooks run at once, each in its own kernel (default 2: XLA compiles on one core)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     os.environ.setdefault("SMALL", "1")  # the kernels inherit this process's environment
+    if args.store and os.environ["SMALL"] != "1":
+        p.error("--store keeps the outputs of the short settings only: run it with SMALL=1")
     notebooks = select(args.notebooks, discover())
     if not notebooks:
         print(f"no notebooks in {COLAB}")
@@ -152,12 +160,37 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each notebook's kernel is a process of its own
         runs = [pool.submit(execute, path, args.timeout) for path in notebooks]
         for path, run in zip(notebooks, runs):
-            failed += report(path, *run.result())
+            nb, seconds, failure = run.result()
+            bad = report(path, nb, seconds, failure)
+            failed += bad
+            if args.store and not bad:
+                store(nb, path)
     total = clock() - start
     over = args.max_seconds > 0 and total > args.max_seconds
     print(f"total {total:.1f} s for {len(notebooks)} notebooks, {args.jobs} at a time (limit {args.max_seconds:g} s): "
           f"{failed} failed" + (", over the time limit" if over else ""))
     return 1 if failed or over else 0
+
+
+#: Marks a notebook committed with outputs: they come from ``run_all.py --store`` with these settings.
+STORED = {"executed_with": "SMALL=1", "by": "colab/run_all.py --store"}
+
+
+def store(nb, path: Path) -> None:
+    """Write the executed notebook ``nb`` to ``path`` with its outputs, without the per-cell timings.
+
+    The notebook's metadata gets ``"compjax": STORED``; ``tests/test_notebooks.py`` checks that every
+    committed notebook is such a run and passes :func:`problems`.
+    """
+    import nbformat
+
+    nb = nbformat.from_dict(json.loads(nbformat.writes(nb)))  # a copy
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # wall-clock stamps: a diff on every run
+    nb.metadata["compjax"] = dict(STORED)
+    nbformat.write(nb, path)
+    print(f"{'':<32} stored with its outputs in {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}",
+          flush=True)
 
 
 def report(path: Path, nb, seconds: float, failure: str | None) -> bool:

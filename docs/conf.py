@@ -4,9 +4,9 @@ Build (from the repository root, with the ``docs`` or ``dev`` extra installed)::
 
     .venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
-The notebooks of ``colab/`` are rendered as they are committed (without outputs: ``nb_execution_mode =
-"off"``; ``colab/run_all.py`` executes them).  To show the outputs of a local run, point
-``COMPJAX_DOCS_NOTEBOOKS`` at the executed copies: ``COMPJAX_DOCS_NOTEBOOKS=runs/notebooks``.
+The notebooks of ``colab/`` are rendered as they are committed, with the outputs of their short settings
+(``colab/run_all.py --store``; ``nb_execution_mode = "off"``: the build executes nothing).  To show another run's
+outputs, point ``COMPJAX_DOCS_NOTEBOOKS`` at its executed copies: ``COMPJAX_DOCS_NOTEBOOKS=runs/notebooks``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The checker functions of ``colab/run_all.py`` are tried on small synthetic notebooks; every notebook in
 ``colab/`` is read as JSON and checked for what it must hold: its own Colab badge, the install cell, the
-XLA flags before JAX starts, the SMALL switch, no committed outputs and no hard-coded device count.
+XLA flags before JAX starts, the SMALL switch, committed outputs from a stored SMALL=1 run and no hard-coded device
+count.
 """
 
 from __future__ import annotations
@@ -194,14 +195,29 @@ def test_xla_flags_before_jax_and_small_switch(notebook):
     assert any(re.search(r"display\((Markdown|HTML)\(", s) for s in cells)
 
 
-def test_no_outputs_committed(notebook):
+def test_committed_outputs_are_a_stored_small_run_that_passes(notebook):
+    """Each notebook is committed with the outputs of ``run_all.py --store`` (SMALL=1): a plot, a table, no error,
+    every code cell run once in order, no wall-clock stamps."""
     path, nb = notebook
     assert nb.metadata.kernelspec.name == "python3"
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs committed"
+    assert nb.metadata.get("compjax") == run_all.STORED, f"{path.name}: not stored by run_all.py --store"
+    assert run_all.problems(nb) == [], path.name
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{path.name}: cells not run in order"
+    assert not any("execution" in c.metadata for c in code), path.name
     nbformat.validate(nb)
     assert json.loads(path.read_text())["nbformat"] == 4
+
+
+def test_store_writes_outputs_and_the_mark_without_timings(tmp_path):
+    nb = synthetic(PNG, MD_TABLE)
+    for i, cell in enumerate(nb.cells):
+        cell.execution_count = i + 1
+        cell.metadata["execution"] = {"iopub.status.busy": "2026-11-25T15:00:00Z"}
+    run_all.store(nb, tmp_path / "x.ipynb")
+    back = nbformat.read(tmp_path / "x.ipynb", as_version=4)
+    assert back.metadata["compjax"] == run_all.STORED and run_all.problems(back) == []
+    assert [c.metadata for c in back.cells] == [{}, {}] and "execution" in nb.cells[0].metadata  # a copy was changed
 
 
 #: A hard-coded worker or device count: the mesh must be every device, the batch a multiple of them.
