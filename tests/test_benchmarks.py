@@ -167,9 +167,7 @@ def test_torch_compare_writes_under_runs_unless_published(publish, monkeypatch, 
     monkeypatch.setattr(records, "RESULTS", results)
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     monkeypatch.setattr(torch_compare, "run", _torch_result)
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- results:torch_compare:start -->\nold\n<!-- results:torch_compare:end -->\n")
-    result = torch_compare.main(["--repeats", "1", *(["--publish", "--readme", str(readme)] if publish else [])])
+    result = torch_compare.main(["--repeats", "1", *(["--publish"] if publish else [])])
     written, empty = (results, runs) if publish else (runs, results)
     assert files_under(written) == ["benchmarks/torch_compare.json", "benchmarks/torch_compare.md"]
     assert files_under(empty) == []
@@ -177,5 +175,3 @@ def test_torch_compare_writes_under_runs_unless_published(publish, monkeypatch, 
     assert on_disk == json.loads(json.dumps(result)) and on_disk["rows"][0]["ratio"] == 0.5
     md = (written / "benchmarks" / "torch_compare.md").read_text()
     assert "| w | c | 1.0 | t | 2.0 | 0.50 |" in md
-    block = md if publish else "old\n"  # the README changes only when asked
-    assert readme.read_text() == f"<!-- results:torch_compare:start -->\n{block}<!-- results:torch_compare:end -->\n"

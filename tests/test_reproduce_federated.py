@@ -61,16 +61,11 @@ def test_publish_writes_the_committed_folder(tiny_run, monkeypatch, tmp_path):
     monkeypatch.setattr(repro, "load_data", lambda config: (None, None, np.asarray(record["split"]["label_histogram"]),
                                                             None))
     monkeypatch.setattr(repro, "run_row", lambda row, seed, config, data: dict(run))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n<!-- results:{repro.NAME}:start -->\nold\n<!-- results:{repro.NAME}:end -->\nafter\n")
-    summary = repro.main(["--rows", "scallion-rand5%", "--publish", "--readme", str(readme), *TINY])
+    summary = repro.main(["--rows", "scallion-rand5%", "--publish", *TINY])
     assert files_under(results) == OUTPUTS and files_under(runs) == []
     published = json.loads((results / "reproduce" / f"{repro.NAME}.json").read_text())
     assert published["summary"] == json.loads(json.dumps(summary)) == record["summary"]
-    assert published["command"].endswith("--publish --readme " + " ".join([str(readme), *TINY]))
-    md = (results / "reproduce" / f"{repro.NAME}.md").read_text()  # the README block is the table, as written
-    assert readme.read_text() == (f"before\n<!-- results:{repro.NAME}:start -->\n{md.split(chr(10), 1)[1]}"
-                                  f"<!-- results:{repro.NAME}:end -->\nafter\n")
+    assert published["command"].endswith(" ".join(["--publish", *TINY]))
 
 
 @pytest.mark.parametrize("args, says", [

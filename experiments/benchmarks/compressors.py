@@ -1,7 +1,7 @@
 """Compute cost of every compressor: update time on a ResNet-18-shaped tree beside the elementwise floor, and more.
 
     python -m experiments.benchmarks.compressors [--repeats 10] [--only "topk(0.01),powersgd(rank=2)"] [--small]
-    python -m experiments.benchmarks.compressors --repeats 10 --publish --readme README.md   # the committed results
+    python -m experiments.benchmarks.compressors --repeats 10 --publish   # the committed results
 
 Runs on whatever backend JAX finds (CPU, GPU or TPU) and names the device.
 Main table, one worker (``axis_name=None``): the compute cost of compressing
@@ -742,7 +742,6 @@ def main(argv=None) -> dict:
     p.add_argument("--small", action="store_true",
                    help="tiny inputs in every section: 11 narrow leaves, a linear model in the step section (tests)")
     records.add_output_arguments(p, "benchmarks")
-    p.add_argument("--readme", type=Path, default=None, help="also replace the results:benchmark block of this file")
     args = p.parse_args(argv)
     args.argv = argv
     _names(args)  # an unknown --only name fails here, before any timing
@@ -759,10 +758,6 @@ def main(argv=None) -> dict:
     md = markdown(result)
     (out_dir / "compressors.md").write_text(md)
     plot(result, out_dir / "compressors.png")
-    if args.readme:
-        from experiments.results_table import update_readme
-
-        update_readme(args.readme, md, "benchmark")
     print(md, end="")
     print(f"wrote {out_dir}/compressors.{{json,md,png}}", file=sys.stderr)
     return result

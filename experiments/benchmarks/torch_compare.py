@@ -2,7 +2,7 @@
 
     pip install -e ".[bench]"       # torch==2.13.0 (CPU wheel); never a core dependency
     python -m experiments.benchmarks.torch_compare [--repeats 7] [--small]
-    python -m experiments.benchmarks.torch_compare --repeats 5 --publish --readme README.md   # the committed table
+    python -m experiments.benchmarks.torch_compare --repeats 5 --publish   # the committed table
 
 Identical tensors (the ResNet-18-shaped tree of :mod:`experiments.benchmarks.compressors`,
 11.7M float32 parameters, one worker), the same machine, the same number of
@@ -309,7 +309,6 @@ def main(argv=None) -> dict | None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--small", action="store_true", help="the benchmark's small tree: 11 narrow leaves (for tests)")
     records.add_output_arguments(p, "benchmarks")
-    p.add_argument("--readme", type=Path, default=None, help="also replace the results:torch_compare block of this file")
     p.add_argument("--side", choices=["compjax"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--side-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -330,10 +329,6 @@ def main(argv=None) -> dict | None:
     (out_dir / "torch_compare.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
     (out_dir / "torch_compare.md").write_text(md)
-    if args.readme:
-        from experiments.results_table import update_readme
-
-        update_readme(args.readme, md, "torch_compare")
     print(md, end="")
     print(f"wrote {out_dir}/torch_compare.{{json,md}}", file=sys.stderr)
     return result

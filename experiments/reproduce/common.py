@@ -2,9 +2,9 @@
 
 * :func:`parser` and :func:`parse`: ``--config FILE`` / ``--config.KEY=VALUE``
   (:mod:`experiments.config_cli`), ``--report-only`` where the script can
-  rebuild its table from records, ``--out-dir`` / ``--publish``
-  (:func:`experiments.records.add_output_arguments`) and ``--readme``; then
-  the config, the flags, the output folder and the command to record.
+  rebuild its table from records and ``--out-dir`` / ``--publish``
+  (:func:`experiments.records.add_output_arguments`); then the config, the
+  flags, the output folder and the command to record.
 * :func:`figure`: a matplotlib figure on the Agg backend (no display needed),
   laid out, saved and closed; :func:`finish_axes` labels an axes the way the
   reproductions' accuracy plots do.
@@ -51,12 +51,11 @@ class Head(NamedTuple):
 
 
 def parser(prog: str, doc: str | None, default_config: str | Path, example: str, *, report_only: str | None = None,
-           readme: str | None = None, config_help: str | None = None) -> argparse.ArgumentParser:
+           config_help: str | None = None) -> argparse.ArgumentParser:
     """A reproduction's parser with the flags they share; the script adds its own, then calls :func:`parse`.
 
     Flags, in this order: ``--config`` (:func:`experiments.config_cli.script_parser`),
-    ``--report-only`` (with ``report_only``), ``--out-dir`` and ``--publish``,
-    ``--readme FILE`` (with ``readme``).
+    ``--report-only`` (with ``report_only``), ``--out-dir`` and ``--publish``.
 
     Args:
       prog: the command, e.g. ``"python -m experiments.reproduce.dga"``.
@@ -64,7 +63,6 @@ def parser(prog: str, doc: str | None, default_config: str | Path, example: str,
       default_config: the config file used without ``--config``.
       example: an override shown in ``--config``'s help, e.g. ``"--config.train.epochs=1"``.
       report_only: the help of ``--report-only`` (rebuild the outputs from the records); None: no such flag.
-      readme: the help of ``--readme`` (which results block of that file it replaces); None: no such flag.
       config_help: the whole ``--config`` help instead of the generated one.
 
     Returns:
@@ -74,8 +72,6 @@ def parser(prog: str, doc: str | None, default_config: str | Path, example: str,
     if report_only is not None:
         p.add_argument("--report-only", action="store_true", help=report_only)
     records.add_output_arguments(p, SUB)
-    if readme is not None:
-        p.add_argument("--readme", type=Path, default=None, help=readme)
     return p
 
 

@@ -2,7 +2,7 @@
 
     python -m experiments.reproduce.dga                       # Fashion-MNIST CNN, 8 workers, D = 0, 2, 5, 10, 20
     python -m experiments.reproduce.dga --config.train.epochs=1 --delays 0,5   # shorter
-    python -m experiments.reproduce.dga --publish --report-only --readme README.md   # the committed table
+    python -m experiments.reproduce.dga --publish --report-only   # the committed table
     python -m experiments.reproduce.dga --stability   # the deviation bound per delay (no training)
     python -m experiments.reproduce.dga --config.train.compressor.period=20   # average every K = 20 steps
 
@@ -269,9 +269,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.epochs=1 for every run",
-                      report_only="only rebuild the table and plot from the records",
-                      readme=f"also replace the results:{NAME} block of this file (results:{NAME}_k<K> with a period "
-                             "K > 1)")
+                      report_only="only rebuild the table and plot from the records")
     p.add_argument("--delays", default="", help="comma-separated delays to (re)run (default: the config's)")
     p.add_argument("--stability", action="store_true",
                    help="only print, per delay, the eta*lambda below which the workers' deviations stay bounded")
@@ -322,10 +320,6 @@ def main(argv=None) -> list[dict]:
                                                            "config": config.to_dict()}, indent=1))
     title = f"Delayed Gradient Averaging, {config.network}, {WORKERS} workers"
     plot(rows, out_dir / f"{name}.png", title if period == 1 else f"{title}, averaging every {period} steps")
-    if args.readme:
-        from experiments.results_table import update_readme
-
-        update_readme(args.readme, text, name)
     print(text, end="")
     shown = sorted({r["delay"] for r in rows} & {10, max(r["delay"] for r in rows)} - {0})
     every = "every step" if period == 1 else f"every {period} steps"

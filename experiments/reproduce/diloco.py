@@ -2,7 +2,7 @@
 
     python -m experiments.reproduce.diloco                        # 10 runs, ~35 min on a 2-core CPU
     python -m experiments.reproduce.diloco --config.train.steps=100 --rows data-parallel diloco   # a quick look
-    python -m experiments.reproduce.diloco --publish --report-only --readme README.md   # the committed table
+    python -m experiments.reproduce.diloco --publish --report-only   # the committed table
 
 The settings are ml_collections config ``experiments/configs/diloco_tiny_shakespeare.py``
 (``--config FILE`` names another; ``--config.KEY=VALUE`` overrides a key).
@@ -250,8 +250,7 @@ def plot(results: dict[str, dict], path: Path, config) -> None:
 
 def main(argv=None) -> list[dict]:
     p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.train.steps=100",
-                      report_only="rebuild the table and plot from the records",
-                      readme=f"also replace the results:{NAME} block of this file")
+                      report_only="rebuild the table and plot from the records")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="which runs (default: all)")
     head = common.parse(p, argv, DEFAULT_CONFIG)
     config, args, out, command = head.config, head.args, head.out_dir, head.command
@@ -283,10 +282,6 @@ def main(argv=None) -> list[dict]:
     plot(results, out / f"{NAME}.png", config)
     print(text)
     print(f"wrote {out / NAME}.{{md,json,png}} and the records under {record_dir}")
-    if args.readme:
-        from experiments.results_table import update_readme
-
-        update_readme(args.readme, text, NAME)
     return rows
 
 

@@ -2,7 +2,7 @@
 
     python -m experiments.reproduce.federated                  # the full setup below, every row, both seeds
     python -m experiments.reproduce.federated --config.rounds=20 --config.seeds=0 --rows fedavg,scafcom-top1%
-    python -m experiments.reproduce.federated --publish --readme README.md   # the committed results and README table
+    python -m experiments.reproduce.federated --publish   # the committed results
 
 The settings are ml_collections config ``experiments/configs/federated_fashion_mnist.py``
 (``--config FILE`` names another; ``--config.KEY=VALUE`` overrides a key).
@@ -300,8 +300,7 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.rounds=20 --config.seeds=0",
-                      readme=f"also replace the results:{NAME} block of this file")
+    p = common.parser(PROG, __doc__, DEFAULT_CONFIG, "--config.rounds=20 --config.seeds=0")
     p.add_argument("--rows", default="", help="comma-separated names of the config's rows to run (default: all)")
     head = common.parse(p, argv, DEFAULT_CONFIG)
     config, args, out_dir, command = head.config, head.args, head.out_dir, head.command
@@ -329,10 +328,6 @@ def main(argv=None) -> list[dict]:
     plot(runs, out_dir / f"{NAME}.png",
          f"Fashion-MNIST, {config.num_clients} clients × {config.classes_per_client} classes, "
          f"{int(100 * config.participation)}% participation, K = {config.local_steps}")
-    if args.readme:
-        from experiments.results_table import update_readme
-
-        update_readme(args.readme, text, NAME)
     print(text, end="")
     print(f"wall time {wall:.0f} s; wrote {out_dir / NAME}.{{json,md,png}}", flush=True)
     return summary
