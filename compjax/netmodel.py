@@ -15,20 +15,63 @@ operations in MPICH", IJHPCA 2005; Patarasuk & Yuan 2009 for the ring):
 Bandwidth is in bytes per second of one worker's link (both directions at full
 rate), latency in seconds per message.  ``n = 1`` costs nothing.
 
+Two more rules, for links and hosts unlike a cluster's (:class:`Network`):
+
+* **one shared medium** (``shared=True``): every worker's messages cross one
+  link (a site's uplink, processes of one host on its loopback), so a
+  collective takes the bytes of all its messages over ``bandwidth``: ``n``
+  times a ring's per-link time;
+* **a cost per collective call** (``call_latency``), paid once whatever the
+  call's size and number of messages, and overlapping the call's bytes: a
+  call takes ``max(call_latency, bytes' time)`` plus its messages'
+  latencies.  This is LogP's rule for a host's overhead against the link's
+  gap (Culler et al., "LogP: towards a realistic model of parallel
+  computation", PPoPP 1993: successive messages are ``max(o, g)`` apart),
+  applied to whole calls.
+
+With a :class:`Framing` (:func:`collective_time`, :func:`step_time`,
+:func:`predict_step`), the bytes are the wire bytes of gloo's messages, headers
+included, and each operand of an audited collective is a call of its own.
+
 **Bytes on the wire.**  :func:`wire_bytes` counts what a collective puts on the
 links, all workers together, framing included: the messages of gloo's algorithms
 (:func:`gloo_messages`; gloo is what JAX uses for collectives between CPU
 processes) framed by :class:`Framing`.  Its constants come from the protocols'
 sources and were checked against the bytes the Linux kernel counted on a
-rate-limited link (``experiments/benchmarks/link.py``: P = 2 and 4 processes,
-10 Mbit/s to unshaped, a CNN and a transformer with six compressors and DiLoCo:
-within 7.5% in each of 112 rows); see :class:`Framing`.
+rate-limited link (below); see :class:`Framing`.
 
 On top of the formulas: :class:`Network` presets (:meth:`Network.presets`),
 :func:`predict_step` (compute + communication of one step, with and without
 overlap, and the bandwidth that would hide the communication),
 :func:`measure_compute_time` and :func:`compare` / :func:`to_markdown` (a table
 of compressors x networks).
+
+**Calibrated on a real link.**  ``experiments/benchmarks/link.py`` runs P = 2
+and 4 processes (gloo over TCP) on a loopback shaped to 10 Mbit/s - 1 Gbit/s
+and unshaped, and times the steps of a CNN and a transformer with six
+compressors and DiLoCo.  What it calibrated, and from what:
+
+* ``Framing.gloo_tcp``: the kernel's byte counts (``tc -s qdisc``; see
+  :class:`Framing`): within 7.5% of :func:`wire_bytes` in every one of 112
+  rows over several runs, 3.6% in the committed one;
+* ``call_latency``: a probe of one-float32 all-reduces and all-gathers back
+  to back at every rate (nothing to compute, next to nothing to send).  Its
+  calls are bimodal, about 0.2 ms or about 4 ms (a wake-up that waits for the
+  next tick of the kernel's 250 Hz timer: 2 cores shared by the processes
+  and other jobs), so the cost a step pays per call is their mean, measured
+  in each run: 0.7 ms at P = 2 and 1.8 ms at P = 4 on a quiet host (load
+  average 0.6), 1.0 - 3.6 ms under a load average of 2.4 - 6.  The per-message latency
+  this model used to fit on the unshaped rows (2.3 ms at P = 2) was mostly
+  compute noise: the probe's median call takes a tenth of it.  The probe
+  does not separate a per-message cost from the per-call one well (quiet, P
+  = 4: an all-gather of one float, 6 half-messages per process, 4.0 ms; an
+  all-reduce of one, about 1.5 messages per process, 0.7 ms), so the mean is
+  charged per call and ``latency`` is 0;
+* the overlap: with each call's latency added to its bytes (the alpha-beta
+  sum), the compressed steps at 10 Mbit/s, bound by the link, ran 0.6 - 0.8x
+  the prediction under load; with ``max`` every row at 10 and 100 Mbit/s is
+  within 25% on a quiet host (56 of 56) and 54 - 55 of 56 under load
+  (``experiments/results/benchmarks/link.md``).
 
 Examples:
   What would a 10 Gbit/s network give a step that computes for 100 ms and
@@ -83,22 +126,29 @@ class Network(NamedTuple):
         stack included), paid ``2 (n-1)`` times by a ring all-reduce and
         ``n-1`` times by a ring all-gather.  Not a round-trip time.
       name: a label for tables (optional).
+      shared: False (default): every worker has a link of its own (to a
+        switch), and the links of a ring carry its messages at the same time.
+        True: one medium of ``bandwidth`` carries every worker's traffic (one
+        uplink behind which all workers sit, processes of one host on its
+        loopback or NIC): a collective then takes the bytes of *all* its
+        messages over ``bandwidth``, ``n`` times a ring's per-link time
+        (a parameter server's is the same either way: its link carries all).
 
     Presets (class attributes, also listed by :meth:`presets`); bandwidths are
     line rates per direction, latencies typical per-message costs as seen by
     a collective library, so treat them as order-of-magnitude figures:
 
-    ==================  ==============  ===========  ====================================================
-    preset              bandwidth       latency      source
-    ==================  ==============  ===========  ====================================================
-    ``ethernet_1g``     1 Gbit/s        50 us        IEEE 802.3ab line rate; kernel TCP/IP message cost
-    ``ethernet_10g``    10 Gbit/s       20 us        IEEE 802.3ae line rate; kernel TCP/IP message cost
-    ``infiniband_100g`` 100 Gbit/s      5 us         InfiniBand EDR 4x; NCCL's network step latency
-    ``infiniband_400g`` 400 Gbit/s      5 us         InfiniBand NDR 4x; NCCL's network step latency
-    ``nvlink``          450 GB/s        3 us         H100 NVLink 4; NCCL's NVLink step latency
-    ``tpu_dcn``         50 Gbit/s       25 us        TPU v5p data-center network per chip
-    ``wan``             100 Mbit/s      110 ms       Mumbai - San Francisco over the public internet
-    ==================  ==============  ===========  ====================================================
+    ===================  ==============  ===========  ====================================================
+    preset               bandwidth       latency      source
+    ===================  ==============  ===========  ====================================================
+    ``ethernet_1g``      1 Gbit/s        50 us        IEEE 802.3ab line rate; kernel TCP/IP message cost
+    ``ethernet_10g``     10 Gbit/s       20 us        IEEE 802.3ae line rate; kernel TCP/IP message cost
+    ``infiniband_100g``  100 Gbit/s      5 us         InfiniBand EDR 4x; NCCL's network step latency
+    ``infiniband_400g``  400 Gbit/s      5 us         InfiniBand NDR 4x; NCCL's network step latency
+    ``nvlink``           450 GB/s        3 us         H100 NVLink 4; NCCL's NVLink step latency
+    ``tpu_dcn``          50 Gbit/s       25 us        TPU v5p data-center network per chip
+    ``wan``              100 Mbit/s      110 ms       Mumbai - San Francisco over the public internet
+    ===================  ==============  ===========  ====================================================
 
     Sources and reasoning:
 
@@ -141,11 +191,15 @@ class Network(NamedTuple):
     bandwidth: float
     latency: float = 0.0
     name: str = ""
+    shared: bool = False
+    call_latency: float = 0.0
 
     @classmethod
-    def from_gbit(cls, gbit_per_s: float, latency_us: float = 0.0, name: str = "") -> Network:
+    def from_gbit(cls, gbit_per_s: float, latency_us: float = 0.0, name: str = "", shared: bool = False,
+                  call_latency_us: float = 0.0) -> Network:
         """A network of ``gbit_per_s`` Gbit/s links and ``latency_us`` microseconds per message."""
-        return cls(bandwidth=gbit_per_s * 1e9 / 8, latency=latency_us / 1e6, name=name)
+        return cls(bandwidth=gbit_per_s * 1e9 / 8, latency=latency_us / 1e6, name=name, shared=shared,
+                   call_latency=call_latency_us / 1e6)
 
     @classmethod
     def presets(cls) -> dict[str, Network]:
@@ -157,7 +211,9 @@ class Network(NamedTuple):
         """``name``, or the bandwidth in Gbit/s and the latency when there is none."""
         if self.name:
             return self.name
-        return f"{self.bandwidth * 8 / 1e9:g} Gbit/s, {self.latency * 1e6:g} us"
+        return (f"{self.bandwidth * 8 / 1e9:g} Gbit/s, {self.latency * 1e6:g} us"
+                + (f" + {self.call_latency * 1e6:g} us per call" if self.call_latency else "")
+                + (", shared" if self.shared else ""))
 
 
 _PRESETS = (
@@ -177,25 +233,41 @@ del _net
 def _check(nbytes, workers, net):
     check_range("nbytes", nbytes, 0, None)
     check_range("workers", workers, 1, None, integer=True)
-    check_range("bandwidth", net.bandwidth, 0, None, lo_open=True)
-    check_range("latency", net.latency, 0, None)
+    _check_network(net)
+
+
+def _call(net: Network, messages: int, bytes_time: float) -> float:
+    """One collective call: ``messages`` latencies in sequence + the longer of its call latency and its bytes' time."""
+    return messages * net.latency + max(net.call_latency, bytes_time)
 
 
 def allreduce_time(nbytes: float, workers: int, net: Network) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` bytes per worker over ``workers`` workers.
 
+    ``2 (n-1) latency + 2 (n-1)/n * nbytes / bandwidth``; on a shared medium
+    (``net.shared``) the bytes of all ``n`` links cross one:
+    ``2 (n-1) latency + 2 (n-1) * nbytes / bandwidth``.  With a
+    ``call_latency``, the bytes' term becomes ``max(call_latency, bytes' time)``
+    (see :class:`Network`).
+
     Raises:
-      ValueError: negative ``nbytes``, ``workers < 1``, ``bandwidth <= 0`` or ``latency < 0``.
+      ValueError: negative ``nbytes``, ``workers < 1``, ``bandwidth <= 0``,
+        ``latency < 0`` or ``call_latency < 0``.
     """
     _check(nbytes, workers, net)
     n = int(workers)
     if n == 1:
         return 0.0
-    return 2 * (n - 1) * net.latency + 2 * (n - 1) / n * nbytes / net.bandwidth
+    links = 1 if net.shared else n
+    return _call(net, 2 * (n - 1), 2 * (n - 1) / links * nbytes / net.bandwidth)
 
 
 def allgather_time(nbytes: float, workers: int, net: Network) -> float:
     """Seconds of a ring all-gather where each worker contributes ``nbytes`` bytes.
+
+    ``(n-1) latency + (n-1) * nbytes / bandwidth``; on a shared medium
+    ``(n-1) latency + n (n-1) * nbytes / bandwidth``; with a ``call_latency``,
+    as :func:`allreduce_time`.
 
     Raises:
       ValueError: as :func:`allreduce_time`.
@@ -204,11 +276,16 @@ def allgather_time(nbytes: float, workers: int, net: Network) -> float:
     n = int(workers)
     if n == 1:
         return 0.0
-    return (n - 1) * net.latency + (n - 1) * nbytes / net.bandwidth
+    links = 1 if net.shared else n
+    return _call(net, n - 1, n * (n - 1) / links * nbytes / net.bandwidth)
 
 
 def parameter_server_time(nbytes: float, workers: int, net: Network, result_bytes: float | None = None) -> float:
     """Seconds of a push/pull through one parameter server whose link is shared by all workers.
+
+    ``2 latency + n (nbytes + result_bytes) / bandwidth``, shared medium or not
+    (the server's link carries every push and pull either way); with a
+    ``call_latency``, as :func:`allreduce_time`.
 
     Args:
       nbytes: bytes each worker pushes.
@@ -224,33 +301,93 @@ def parameter_server_time(nbytes: float, workers: int, net: Network, result_byte
     if n == 1:
         return 0.0
     out = nbytes if result_bytes is None else result_bytes
-    return 2 * net.latency + n * (nbytes + out) / net.bandwidth
+    return _call(net, 2, n * (nbytes + out) / net.bandwidth)
 
 
 _TIMES = {"all-reduce": allreduce_time, "all-gather": allgather_time, "parameter-server": parameter_server_time}
 
+#: Bytes per element of the dtypes of audited collectives (HLO type names, as :class:`compjax.accounting.Collective`
+#: records them).
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                 "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
-def collective_time(kind: str, nbytes: float, workers: int, net: Network) -> float:
+
+def collective_time(kind: str, nbytes: float, workers: int, net: Network, framing: Framing | None = None,
+                    element_bytes: int = 4) -> float:
     """Seconds of one collective of ``kind`` (``"all-reduce"``, ``"all-gather"``, ``"parameter-server"``).
+
+    Without ``framing``: the formulas of :func:`allreduce_time`,
+    :func:`allgather_time`, :func:`parameter_server_time` over the payload
+    bytes.  With a :class:`Framing`: the same latencies, and the bytes' time
+    scaled by ``wire_bytes(kind, nbytes, n, framing) / wire_bytes(kind, nbytes,
+    n, Framing.none)``: every message also carries its headers, notifications
+    and acknowledgements (gloo's messages, :func:`gloo_messages`), which dominate
+    small collectives (a 4-byte all-reduce puts about 2.5 kB on the wire at
+    n = 4); a call that sends nothing costs nothing.
+
+    Args:
+      kind: the collective.
+      nbytes: bytes one worker puts in (an integer with ``framing``).
+      workers: n.
+      net: the :class:`Network`.
+      framing: None (payload bytes only) or a :class:`Framing`, e.g. ``Framing.gloo_tcp``.
+      element_bytes: bytes per element (gloo cuts an all-reduce at whole elements).
 
     Raises:
       ValueError: an unknown ``kind``, or bad numbers as :func:`allreduce_time`.
+
+    Examples:
+      >>> from compjax import netmodel
+      >>> net = netmodel.Network(12.5e6, 1e-4, shared=True)   # 100 Mbit/s shared by all, 0.1 ms per message
+      >>> round(netmodel.collective_time("all-reduce", 827_688, 2, net), 4)   # 2 messages' latency + 2 * b / B
+      0.1326
+      >>> round(netmodel.collective_time("all-reduce", 827_688, 2, net, netmodel.Framing.gloo_tcp), 4)
+      0.1389
+      >>> host = netmodel.Network(12.5e6, shared=True, call_latency=0.002)   # 2 ms per call, no per-message cost
+      >>> netmodel.collective_time("all-reduce", 4, 2, host, netmodel.Framing.gloo_tcp)   # 758 bytes: 61 us < 2 ms
+      0.002
     """
     if kind not in _TIMES:
         raise ValueError(f"kind must be one of {sorted(_TIMES)}, got {kind!r}")
-    return _TIMES[kind](nbytes, workers, net)
+    if framing is None or int(workers) == 1:
+        return _TIMES[kind](nbytes, workers, net)
+    payload = wire_bytes(kind, nbytes, workers, Framing.none, element_bytes)
+    if payload == 0:
+        return 0.0
+    messages = _TIMES[kind](0, workers, Network(math.inf, 1.0))  # latencies in sequence
+    bytes_time = _TIMES[kind](nbytes, workers, Network(net.bandwidth, shared=net.shared))
+    return _call(net, messages, bytes_time * wire_bytes(kind, nbytes, workers, framing, element_bytes) / payload)
 
 
-def step_time(collectives: Iterable, workers: int, net: Network) -> float:
+def _calls(c) -> list[tuple[int, int]]:
+    """``(bytes, element bytes)`` of each gloo call of an audited collective: one per operand."""
+    operands = getattr(c, "operands", ()) or ()
+    if not operands:
+        return [(int(c.bytes), 4)]
+    calls = []
+    for dtype, shape in operands:
+        if dtype not in ELEMENT_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(ELEMENT_BYTES)}, got {dtype!r}")
+        calls.append((math.prod(shape) * ELEMENT_BYTES[dtype], ELEMENT_BYTES[dtype]))
+    return calls
+
+
+def step_time(collectives: Iterable, workers: int, net: Network, framing: Framing | None = None) -> float:
     """Seconds of communication of a step, from :func:`compjax.audit_collectives` records.
 
     Each record's ``op`` picks the model and its ``bytes`` (what one worker
     contributes) the size; collectives are taken to run one after another.
+    With a ``framing``, each operand of a record is a collective call of its
+    own (XLA:CPU issues one gloo call per operand of a combined collective),
+    timed by :func:`collective_time` with that framing.
 
     Raises:
-      ValueError: a record whose ``op`` has no model here.
+      ValueError: a record whose ``op`` has no model here, or (with
+        ``framing``) an operand dtype of unknown size.
     """
-    return sum(collective_time(c.op, c.bytes, workers, net) for c in collectives)
+    if framing is None:
+        return sum(collective_time(c.op, c.bytes, workers, net) for c in collectives)
+    return sum(collective_time(c.op, b, workers, net, framing, eb) for c in collectives for b, eb in _calls(c))
 
 
 class Framing(NamedTuple):
@@ -438,9 +575,11 @@ class StepPrediction(NamedTuple):
 def _check_network(net: Network) -> None:
     check_range("bandwidth", net.bandwidth, 0, None, lo_open=True)
     check_range("latency", net.latency, 0, None)
+    check_range("call_latency", net.call_latency, 0, None)
 
 
-def predict_step(collectives: Iterable, workers: int, network: Network, compute_s: float) -> StepPrediction:
+def predict_step(collectives: Iterable, workers: int, network: Network, compute_s: float,
+                 framing: Framing | None = None) -> StepPrediction:
     """Compute + communication time of one data-parallel step over ``network``.
 
     Args:
@@ -451,31 +590,47 @@ def predict_step(collectives: Iterable, workers: int, network: Network, compute_
         compjax's per-worker bytes do not depend on n).
       network: the :class:`Network`.
       compute_s: seconds of computation per step (e.g. :func:`measure_compute_time`).
+      framing: None (payload bytes) or a :class:`Framing` (wire bytes, each
+        operand a call of its own: :func:`step_time`).
 
     Returns:
       A :class:`StepPrediction`.  ``hiding_bandwidth`` solves
-      ``latency_part + bytes_part / B = compute_s`` for ``B``: every model here
-      is linear in ``1 / bandwidth``.
+      ``comm(B) = compute_s`` for ``B``: ``latency_part + bytes_part / B``
+      without a ``call_latency`` (every formula here is then linear in
+      ``1 / B``), by bisection with one (each call ``max(call_latency, bytes /
+      B)``).
 
     Raises:
       ValueError: ``bandwidth <= 0``, ``latency < 0``, ``compute_s < 0``,
-        ``workers < 1``, or a record whose ``op`` has no model.
+        ``workers < 1``, a record whose ``op`` has no model, or (with
+        ``framing``) an operand dtype of unknown size.
     """
     check_range("workers", workers, 1, None, integer=True)
     _check_network(network)
     check_range("compute_s", compute_s, 0, None)
     collectives = list(collectives)
     compute_s = float(compute_s)
-    comm = step_time(collectives, workers, network)
+    comm = step_time(collectives, workers, network, framing)
     # comm(B) = alpha_part + beta_part / B
-    alpha_part = step_time(collectives, workers, Network(math.inf, network.latency))
-    beta_part = step_time(collectives, workers, Network(1.0, 0.0))
+    alpha_part = step_time(collectives, workers, network._replace(bandwidth=math.inf), framing)
+    beta_part = step_time(collectives, workers, network._replace(bandwidth=1.0, latency=0.0, call_latency=0.0),
+                          framing)
     if beta_part == 0:
         hiding = 0.0
     elif alpha_part >= compute_s:
         hiding = math.inf
-    else:
+    elif network.call_latency == 0:
         hiding = beta_part / (compute_s - alpha_part)
+    else:  # each call max(call_latency, bytes / B): comm(B) falls from inf to alpha_part; bisect between the
+        # bandwidths at which the bytes alone (lo) and the bytes on top of every latency (hi) take compute_s
+        messages = alpha_part - step_time(collectives, workers, network._replace(bandwidth=math.inf, latency=0.0),
+                                          framing)
+        lo, hi = beta_part / (compute_s - messages), beta_part / (compute_s - alpha_part)
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if step_time(collectives, workers, network._replace(bandwidth=mid),
+                                            framing) > compute_s else (lo, mid)
+        hiding = hi
     total = compute_s + comm
     return StepPrediction(compute_s, comm, total, max(compute_s, comm), comm / total if total > 0 else 0.0, hiding)
 

@@ -7,6 +7,7 @@ skipped with the reason, and the benchmark itself exits 0 after one line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -76,20 +77,32 @@ def test_predicted_wire_bytes_of_an_audited_step(name):
     assert framed >= link.predicted_wire_bytes(ops, n, netmodel.Framing.none) + messages * (3 * 48 + 3.5 * 66)
 
 
-def _raw(kernel_identity: int, kernel_topk: int, step_identity: float, step_topk: float) -> dict:
+def _raw(kernel_identity: int, kernel_topk: int, step_identity: float, step_topk: float, compute: float = 0.01,
+         probe: float = 0.0) -> dict:
+    """A run of 2 processes as the worker writes it: dense and top-k at 10 Mbit/s, 2 steps each."""
     ops_id = [{"op": "all-reduce", "operands": [["s32", []]], "bytes": 4},
               {"op": "all-reduce", "operands": [["f32", [1000]]], "bytes": 4000}]
     ops_tk = [{"op": "all-reduce", "operands": [["s32", []]], "bytes": 4},
               {"op": "all-gather", "operands": [["f32", [1, 10]]], "bytes": 40},
               {"op": "all-gather", "operands": [["s32", [1, 10]]], "bytes": 40}]
     idle = {"bytes": 1000, "packets": 10, "seconds": 2.0}
-    meas = [{"model": "cnn", "method": m, "rate": "10 Mbit/s", "bits_per_s": 10e6, "steps": 2, "step_s": [t, t],
-             "window_s": 2 * t, "payload_bytes": [pb, pb], "kernel_bytes": 2 * k + 1000, "kernel_packets": 30,
-             "dropped": 0, "idle": idle, "tc": []}
-            for m, k, t, pb in (("identity", kernel_identity, step_identity, 4004),
-                                ("topk(0.01)", kernel_topk, step_topk, 84))]
-    return {"processes": 2, "rows": [{"model": "cnn", "method": "identity", "ops": ops_id, "compute_s": [0.01] * 3},
-                                     {"model": "cnn", "method": "topk(0.01)", "ops": ops_tk, "compute_s": [0.01] * 3}],
+    meas = []
+    for m, k, t, pb in (("identity", kernel_identity, step_identity, 4004), ("topk(0.01)", kernel_topk, step_topk, 84)):
+        marks = [[[0.0, t], [1.0, 1.0 + t]], [[0.0, t - 0.001], [0.9, 1.0 + t - 0.002]]]  # process 1 a little ahead
+        meas.append({"model": "cnn", "method": m, "rate": "10 Mbit/s", "bits_per_s": 10e6, "steps": 2, "warmup": 1,
+                     "marks_s": marks, "step_s": link.global_steps(marks), "payload_bytes": [pb, pb],
+                     "compute_by_process_s": [[compute] * 2] * 2, "compute_s": [compute] * 2,
+                     "kernel_bytes": 2 * k + 1000, "kernel_packets": 30, "dropped": 0, "idle": idle, "tc": []})
+    # the probe's calls at 10 Mbit/s: their own wire bytes' time plus `probe`
+    own = link.predicted_wire_bytes([{"op": "all-reduce", "operands": [["f32", [1]]], "bytes": 4}], 2) * 8 / 10e6
+    probe_ops = [{"op": "all-reduce", "operands": [["f32", [1]]], "bytes": 4}]
+    return {"processes": 2, "loadavg_start": [0.5, 0.5, 0.5], "loadavg_end": [0.6, 0.6, 0.6],
+            "latency_probe": {"10 Mbit/s": {k: {"elements": 1, "ops": probe_ops,
+                                                "times_s": [own + probe, own + 2 * probe, own + probe / 2],
+                                                "median_s": own + probe, "min_s": own + probe / 2}
+                                            for k in link.PROBES}},
+            "rows": [{"model": "cnn", "method": "identity", "ops": ops_id},
+                     {"model": "cnn", "method": "topk(0.01)", "ops": ops_tk}],
             "measurements": meas}
 
 
@@ -97,22 +110,67 @@ def test_report_puts_predictions_beside_measurements(tmp_path):
     n, rate = 2, 10e6 / 8
     want_id = link.predicted_wire_bytes(_raw(0, 0, 1, 1)["rows"][0]["ops"], n)
     want_tk = link.predicted_wire_bytes(_raw(0, 0, 1, 1)["rows"][1]["ops"], n)
-    comm_id = want_id / rate  # the shared loopback: a ring's time is its wire bytes over the rate
-    report = link.build_report([_raw(want_id, int(want_tk * 1.2), 0.01 + comm_id, 0.02)], ["--quick"], 1.0)
+    comm_id = want_id / rate  # the shared loopback: a collective's time is its wire bytes over the rate
+    report = link.build_report([_raw(want_id, int(want_tk * 1.2), 0.01 + comm_id, 0.02)], ["--quick"], 1.0,
+                               link.provenance([0.5, 0.5, 0.5]))
     r_id, r_tk = report["rows"]
-    assert r_id["kernel_bytes"] == want_id and r_id["bytes_ratio"] == 1.0  # the idle baseline came off
+    assert math.isclose(r_id["kernel_bytes"], want_id) and math.isclose(r_id["bytes_ratio"], 1.0)  # idle came off
     assert math.isclose(r_tk["bytes_ratio"], 1.2, rel_tol=1e-3)
     assert math.isclose(r_id["predicted_comm_s"], comm_id, rel_tol=1e-9)
-    assert math.isclose(r_id["time_ratio"], 1.0, rel_tol=1e-9)
+    assert math.isclose(r_id["step_s"], 0.01 + comm_id) and math.isclose(r_id["time_ratio"], 1.0, rel_tol=1e-9)
     assert math.isclose(r_tk["speedup"], (0.01 + comm_id) / 0.02)
     assert not report["checks"]["bytes_within_10pct"] and math.isclose(report["checks"]["max_bytes_error"], 0.2,
                                                                         rel_tol=1e-3)
+    assert report["checks"]["time_rows_at_10_100"] == 2 and len(report["misses"]) == 2 - report["checks"][
+        "time_rows_within_25pct_at_10_100"]
     link.write(report, tmp_path)
     md = (tmp_path / "link.md").read_text()
-    assert md.startswith("<!-- generated by python -m experiments.benchmarks.link --quick -->")
-    assert "| 2 | cnn | topk(0.01) | 10 Mbit/s |" in md and "1.200" in md
+    assert md.startswith("<!-- generated by python -m experiments.benchmarks.link --quick -->\nMeasured with `sudo")
+    assert "| 2 | cnn | topk(0.01) | 10 Mbit/s | 2 |" in md and "1.200" in md and "load average" in md
     assert json.loads((tmp_path / "link.json").read_text())["rows"][0]["method"] == "identity"
     assert (tmp_path / "link.png").stat().st_size > 0
+
+
+def test_a_step_runs_from_its_last_start_to_its_last_end():
+    """Step durations from every process's [start, end] of each step, whoever started late or ran ahead."""
+    marks = [[[0.000, 0.010], [0.020, 0.045]],   # process 0
+             [[0.002, 0.014], [0.021, 0.040]]]   # process 1: started step 1 last, finished step 2 first
+    # step 1: max end 0.014 - max start 0.002; step 2: 0.045 - 0.021
+    assert link.global_steps(marks) == pytest.approx([0.012, 0.024])
+    with pytest.raises(ValueError, match="same number"):
+        link.global_steps([[[0.0, 1.0]], []])
+
+
+def test_window_is_planned_from_the_audited_bytes():
+    args = argparse.Namespace(min_steps=3, max_steps=12, window_s=0.5, warmup=1)
+    dense = [{"op": "all-reduce", "operands": [["f32", [206922]]], "bytes": 827688}]
+    # 1.73 MB at 10 Mbit/s: 1.39 s a step: the fewest steps, no warm-up
+    assert link.window(dense, 2, 10e6, "identity", args) == (3, 0)
+    # 139 ms at 100 Mbit/s + 20 ms: ceil(0.5 / 0.159) = 4 steps and a warm-up
+    assert link.window(dense, 2, 100e6, "identity", args) == (4, 1)
+    assert link.window(dense, 2, None, "identity", args) == (12, 1)  # unshaped: the most
+    assert link.window(dense, 2, 10e6, "diloco(H=50)", args) == (50, 1)  # DiLoCo: its window
+
+
+def test_call_latency_is_the_probes_mean_call_and_each_call_takes_the_longer_of_it_and_its_bytes():
+    """α = the mean probe call less its own bytes; every gloo call (one per operand) costs max(α, wire / R)."""
+    run = _raw(1000, 100, 0.5, 0.05, compute=0.01, probe=3e-3)
+    alpha = 3e-3 * (1 + 2 + 0.5) / 3  # the probe's calls less their own wire bytes at 10 Mbit/s: 3, 6, 1.5 ms
+    assert math.isclose(link.probe_latency(run), alpha)
+    report = link.build_report([run], [], 1.0, link.provenance([0.5, 0.5, 0.5]))
+    assert math.isclose(report["call_latency_s"]["2"], alpha)
+    rate = 10e6 / 8
+    vote = 2 * (4 + 48 + 66 + 2 * (48 + 66) + 33)  # 2 messages of 4 bytes: 758 wire bytes, 0.6 ms < alpha
+    assert netmodel.wire_bytes("all-reduce", 4, 2) == vote
+    grads = netmodel.wire_bytes("all-reduce", 4000, 2)  # 8,760 bytes: 7.0 ms > alpha
+    values = netmodel.wire_bytes("all-gather", 40, 2)  # 4 half-messages: 1.4 ms < alpha
+    want = {"identity": max(alpha, vote / rate) + max(alpha, grads / rate),
+            "topk(0.01)": max(alpha, vote / rate) + 2 * max(alpha, values / rate)}
+    assert want["identity"] == alpha + grads / rate and want["topk(0.01)"] == 3 * alpha
+    for r in report["rows"]:
+        assert r["calls"] == {"identity": 2, "topk(0.01)": 3}[r["method"]]
+        assert math.isclose(r["predicted_comm_s"], want[r["method"]])
+        assert math.isclose(r["predicted_no_overlap_s"], 0.01 + want[r["method"]])
 
 
 def test_not_permitted_says_so_in_one_line_and_exits_0(monkeypatch, tmp_path, capsys):
@@ -136,8 +194,11 @@ def test_committed_results_are_todays_model():
         for m in run["measurements"]:
             row = next(rows)
             every = link.syncs_per_step(m["method"])
+            want = link.predict(ops[(m["model"], m["method"])], run["processes"], m["bits_per_s"], row["compute_s"],
+                                m["method"], report["call_latency_s"][str(run["processes"])])
             assert row["predicted_wire_bytes"] == link.predicted_wire_bytes(ops[(m["model"], m["method"])],
                                                                             run["processes"]) * every
+            assert math.isclose(row["predicted_no_overlap_s"], want["no_overlap_s"])
             assert math.isclose(row["kernel_bytes"], link.kernel_bytes_per_step(m))
     assert {r["processes"] for r in report["rows"]} == {2, 4}
 
@@ -154,23 +215,3 @@ def test_short_real_measurement(tmp_path):
     assert row["payload_bytes_per_worker"] == 827_692  # the CNN's float32 gradients + the 4-byte vote
     assert abs(row["bytes_ratio"] - 1) < 0.10, row
     assert row["dropped"] == 0
-
-
-def test_latency_fitted_on_the_unshaped_rows_and_used_at_every_rate():
-    """(step - compute) / messages in sequence on the unshaped rows is the latency the predictions then use."""
-    run = _raw(1000, 100, 0.5, 0.05)
-    alpha, compute = 2e-3, 0.01
-    unshaped = []
-    for m in run["measurements"]:
-        ops = next(r["ops"] for r in run["rows"] if r["method"] == m["method"])
-        units = link.latency_units(ops, 2)
-        assert units == {"identity": 4, "topk(0.01)": 4}[m["method"]]  # 2 all-reduces x 2 (n-1), or 1 + 2 x (n-1)
-        unshaped.append({**m, "rate": "unlimited", "bits_per_s": None, "step_s": [compute + alpha * units] * 2})
-    run["measurements"] += unshaped
-    assert math.isclose(link.fit_latency(run), alpha)
-    report = link.build_report([run], [], 1.0)
-    assert math.isclose(float(report["latency_s"]["2"]), alpha)
-    for r in report["rows"]:
-        assert r["predicted_comm_s"] >= 4 * alpha - 1e-12  # every rate pays the messages' latency
-        if r["rate"] == "unlimited":
-            assert math.isclose(r["time_ratio"], 1.0)

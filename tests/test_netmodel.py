@@ -370,3 +370,91 @@ def test_gloo_tcp_framing_by_hand():
     assert netmodel.Framing.none.message_bytes(1401) == 1401
     # a dense CNN all-reduce at P = 2: 8 messages of 206,922 bytes, 143 segments each
     assert netmodel.wire_bytes("all-reduce", 827_688, 2) == 2 * 827_688 + 8 * (48 + 143 * 66 + control)
+
+
+# --------------------------------------------------------------------------- one shared medium; framing in the time
+
+# 4 workers, 1 MB each, 1e8 B/s, 0.1 ms per message, worked out by hand.  Per-worker links: a ring's n links carry
+# its messages side by side.  One shared medium (a loopback, an uplink): all of them queue on the one link.
+#   all-reduce   links 6 * 0.1ms + 2*3/4 * 1e6 / 1e8 = 0.0006 + 0.015   shared 0.0006 + 6 * 0.01 = 0.0606
+#   all-gather   links 3 * 0.1ms + 3 * 1e6 / 1e8     = 0.0003 + 0.03    shared 0.0003 + 12 * 0.01 = 0.1203
+#   param. server  2 * 0.1ms + 4 * 2e6 / 1e8 = 0.0802 either way (the server's link carries everything)
+SHARED_HAND = {"all-reduce": (0.0156, 0.0606), "all-gather": (0.0303, 0.1203), "parameter-server": (0.0802, 0.0802)}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARED_HAND))
+def test_shared_medium_by_hand(kind):
+    links, shared = SHARED_HAND[kind]
+    assert math.isclose(netmodel.collective_time(kind, 1e6, 4, Network(1e8, 1e-4)), links, rel_tol=1e-12)
+    assert math.isclose(netmodel.collective_time(kind, 1e6, 4, Network(1e8, 1e-4, shared=True)), shared,
+                        rel_tol=1e-12)
+    assert netmodel.collective_time(kind, 1e6, 1, Network(1e8, 1e-4, shared=True)) == 0.0
+
+
+def test_shared_network_fields_and_label():
+    net = Network.from_gbit(0.1, 100, shared=True)
+    assert net == Network(12.5e6, 1e-4, "", True) and net.shared and not Network(1e9).shared
+    assert net.label == "0.1 Gbit/s, 100 us, shared"
+
+
+def test_framed_time_by_hand():
+    """With a framing, each collective's bytes take their wire bytes' time: gloo's messages with their headers."""
+    f, net = netmodel.Framing.gloo_tcp, Network(12.5e6, 1e-4, shared=True)  # 100 Mbit/s shared, 0.1 ms
+    # the dense CNN all-reduce at n = 2 (see test_gloo_tcp_framing_by_hand): 1,733,352 wire bytes, 2 messages
+    assert math.isclose(netmodel.collective_time("all-reduce", 827_688, 2, net, f), 2e-4 + 1_733_352 / 12.5e6)
+    # per-worker links: the two links carry half of it each
+    assert math.isclose(netmodel.collective_time("all-reduce", 827_688, 2, net._replace(shared=False), f),
+                        2e-4 + 1_733_352 / 2 / 12.5e6)
+    # a 4-byte vote at n = 4: 6 messages of 4 bytes, each 48 + 66 + 2 (48 + 66) + 33 = 375 wire bytes
+    vote = 6 * (4 + 48 + 66 + 2 * (48 + 66) + 33)
+    assert netmodel.wire_bytes("all-reduce", 4, 4) == vote
+    assert math.isclose(netmodel.collective_time("all-reduce", 4, 4, net, f), 6e-4 + vote / 12.5e6)
+    assert netmodel.collective_time("all-reduce", 0, 4, net, f) == 0.0
+    # an audited collective of two operands is two gloo calls, each with its latency and its own framing
+    two = Collective("all-reduce", (("f32", (186,)), ("f32", (372,))), 2232, "p")
+    want = (netmodel.collective_time("all-reduce", 744, 4, net, f) + netmodel.collective_time("all-reduce", 1488, 4, net, f))
+    assert math.isclose(netmodel.step_time([two], 4, net, f), want)
+    assert math.isclose(netmodel.predict_step([two], 4, net, 0.01, framing=f).comm_s, want)
+    # without framing the record is one collective of its payload, as before
+    assert math.isclose(netmodel.step_time([two], 4, net), netmodel.allreduce_time(2232, 4, net))
+    with pytest.raises(ValueError, match="dtype"):
+        netmodel.step_time([Collective("all-reduce", (("c64", (2,)),), 16, "x")], 4, net, f)
+
+
+# --------------------------------------------------------------------------- a cost per call, overlapping its bytes
+
+# 2 ms per call, 0.1 ms per message, 1e8 B/s shared by 2 workers, worked out by hand (LogP: a call is bound by the
+# hosts' overhead or by the link, whichever is longer):
+#                         with the call latency                          without (the textbook sum)
+#   all-reduce of 1 MB    2 * 0.1ms + max(2 ms, 2 * 1e6 / 1e8 = 20 ms)   = 0.0202     0.0002 + 0.02  = 0.0202
+#   all-reduce of 10 kB   2 * 0.1ms + max(2 ms, 2 * 1e4 / 1e8 = 0.2 ms)  = 0.0022     0.0002 + 0.0002 = 0.0004
+#   all-gather of 50 kB   1 * 0.1ms + max(2 ms, 2 * 5e4 / 1e8 = 1 ms)    = 0.0021     0.0001 + 0.001 = 0.0011
+#   param. server 100 kB  2 * 0.1ms + max(2 ms, 2 * 2e5 / 1e8 = 4 ms)    = 0.0042     0.0002 + 0.004 = 0.0042
+CALL = Network(1e8, 1e-4, shared=True, call_latency=2e-3)
+CALL_HAND = [("all-reduce", 1e6, 0.0202, 0.0202), ("all-reduce", 1e4, 0.0022, 0.0004),
+             ("all-gather", 5e4, 0.0021, 0.0011), ("parameter-server", 1e5, 0.0042, 0.0042)]
+
+
+@pytest.mark.parametrize("kind,nbytes,want,textbook", CALL_HAND)
+def test_call_latency_by_hand(kind, nbytes, want, textbook):
+    assert math.isclose(netmodel.collective_time(kind, nbytes, 2, CALL), want, rel_tol=1e-12)
+    assert math.isclose(netmodel.collective_time(kind, nbytes, 2, CALL._replace(call_latency=0.0)), textbook,
+                        rel_tol=1e-12)
+    assert netmodel.collective_time(kind, nbytes, 1, CALL) == 0.0  # one worker: no call at all
+
+
+def test_call_latency_in_a_step_and_its_hiding_bandwidth():
+    """Each record (each operand, with a framing) is a call; the hiding bandwidth solves comm(B) = compute."""
+    ops = [Collective("all-reduce", (("f32", (250_000,)),), 1_000_000, "g"), Collective("all-reduce", (), 4, "v")]
+    assert math.isclose(netmodel.step_time(ops, 2, CALL), 0.0202 + 0.0022)  # the vote pays a whole call
+    p = netmodel.predict_step(ops, 2, CALL, compute_s=0.05)
+    assert math.isclose(p.comm_s, 0.0224) and math.isclose(p.no_overlap_s, 0.0724)
+    # at the hiding bandwidth the step's communication takes exactly its compute time
+    assert math.isclose(netmodel.step_time(ops, 2, CALL._replace(bandwidth=p.hiding_bandwidth)), 0.05, rel_tol=1e-9)
+    # by hand: 0.4 ms of messages + the vote's 2 ms + 2e6 / B = 50 ms  ->  B = 2e6 / 0.0476
+    assert math.isclose(p.hiding_bandwidth, 2e6 / 0.0476, rel_tol=1e-9)
+    # a call latency at least the compute time: no bandwidth hides it
+    assert netmodel.predict_step(ops, 2, CALL._replace(call_latency=0.03), 0.05).hiding_bandwidth == math.inf
+    with pytest.raises(ValueError, match="call_latency"):
+        netmodel.predict_step(ops, 2, CALL._replace(call_latency=-1.0), 0.05)
+    assert Network(1e9, call_latency=2e-3).label == "8 Gbit/s, 0 us + 2000 us per call"
