@@ -93,23 +93,12 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
     return None
 
 
-#: Docstrings that docutils cannot parse as written, mended here (before napoleon reads them) so that the
-#: build stays clean under -W until the docstring itself is fixed; each mend does nothing once it is.
-#: object -> [(text as it is, text to render)].
-DOCSTRING_MENDS = {
-    # The presets table's first column is one character narrower than ``infiniband_100g``.
-    "compjax.netmodel.Network": [("==================  ====", "=================== ====")],
-}
-
-
 #: Constants whose docstring would otherwise be their type's (``str``'s, ``int``'s).
 DATA_DOCS = {"compjax.__version__": ["The version of the installed compjax, a string."]}
 
 
 def _mend_docstring(app, what, name, obj, options, lines):
-    """Apply :data:`DOCSTRING_MENDS`; give constants whose docstring is their type's their own line."""
-    for old, new in DOCSTRING_MENDS.get(name, ()):
-        lines[:] = [line.replace(old, new) for line in lines]
+    """Give constants whose docstring is their type's their own line; keep constants' and properties' text."""
     own = inspect.getdoc(type(obj))
     if what in ("data", "attribute") and own and "\n".join(lines).strip() == own.strip():
         lines[:] = DATA_DOCS.get(name, [])
