@@ -73,6 +73,7 @@ __all__ = [
     "reduce_bytes",
     "sparse_mean",
     "sparse_mean_segments",
+    "sum_over_fast",
     "uncounted",
     "vary",
     "varying_axes",
@@ -362,6 +363,27 @@ def any_over_fast(flag: jnp.ndarray) -> jnp.ndarray:
         return flag
     with uncounted():
         return jax.lax.pmax(flag.astype(jnp.int32), lay.axis) > 0
+
+
+def sum_over_fast(x: jnp.ndarray) -> jnp.ndarray:
+    """Sum of ``x`` over the devices of this host: a ``psum`` over the fast axis, inside the host.
+
+    On a two-level step (:func:`compjax.layout.current`) a statistic of a
+    sharded layer (a squared norm) is the sum of its shards' statistics.
+    Elsewhere ``x`` is returned as it is.  Sent inside the host
+    (:func:`uncounted`), so no compressor counts it.
+
+    Args:
+      x: an array (usually a float32 scalar).
+
+    Returns:
+      ``x`` summed over the fast axis: the same on every device of the host.
+    """
+    lay = layout.current()
+    if lay is None:
+        return x
+    with uncounted():
+        return jax.lax.psum(x, lay.axis)
 
 
 def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:

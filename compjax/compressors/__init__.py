@@ -8,6 +8,7 @@ the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
 """
 
 from compjax.compressors.cast import CastState, cast
+from compjax.compressors.clip import ClipByGlobalNormState, clip_by_global_norm
 from compjax.compressors.chunktopk import ChunktopkState, chunktopk, chunktopk_bytes
 from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
 from compjax.compressors.e3m0 import E3m0State, e3m0
@@ -26,6 +27,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "CastState",
     "ChunktopkState",
+    "ClipByGlobalNormState",
     "DgcState",
     "E3m0State",
     "IdentityState",
@@ -41,6 +43,7 @@ __all__ = [
     "cast",
     "chunktopk",
     "chunktopk_bytes",
+    "clip_by_global_norm",
     "dgc",
     "dgc_warmup_schedule",
     "e3m0",
