@@ -32,7 +32,7 @@ def _per_worker(tx, mesh, axes):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))), spec
 
 
-@pytest.mark.parametrize("names", [(AXIS, "model"), ("model", AXIS), ("model", "batch")])
+@pytest.mark.parametrize("names", [(AXIS, "model"), ("model", AXIS), ("model", "batch")], ids="+".join)
 @pytest.mark.parametrize("make", [lambda a: cj.topk(0.5, axis_name=a), lambda a: cj.identity(a)],
                          ids=["topk", "identity"])
 def test_a_tuple_axis_name_with_an_unbound_name_is_refused_by_name(mesh, names, make):
