@@ -1,0 +1,30 @@
+"""Decoupled DiLoCo: independent learners that send fragments' compressed outer gradients to a syncer.
+
+Every other compjax algorithm is one SPMD program whose workers wait for each other at every
+synchronization.  Here each learner runs its own training step and never waits for the others:
+
+* :class:`Learner` -- wraps one worker's ordinary training step; every ``sync_every`` inner steps
+  per fragment (Streaming DiLoCo's schedule) it compresses the fragment's outer gradient with any
+  compjax compressor (error feedback stays on the learner) and sends it from a background thread
+  while it keeps training; the merged fragment is mixed in when it comes back.
+* :class:`Syncer` -- holds the global parameters and the outer optimizer per fragment; merges a
+  fragment once ``min_quorum`` learners sent it or its grace window ended, weighting each
+  contribution by its tokens; bounds staleness; refuses malformed, stale or non-finite
+  contributions without touching the model; checkpoints itself with orbax.
+* :class:`Transport` -- what both sides need of the network; :class:`InProcessTransport` runs them
+  as threads of one process.
+* :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :func:`message_bytes` --
+  how a contribution's bytes are counted (the compressor's ``payload_bytes``).
+
+With ``min_quorum`` = all learners, no grace limit and learners that wait for each merge
+(``wait_for_merge=True``), the system computes the global parameters of :func:`compjax.diloco`
+(plain or with fragments) run as one SPMD program.
+"""
+
+from compjax.decoupled.learner import Learner, LearnerStats
+from compjax.decoupled.messages import Contribution, Header, Reply, message_bytes
+from compjax.decoupled.syncer import Syncer
+from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
+
+__all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats", "Reply",
+           "Syncer", "Transport", "message_bytes"]

@@ -1,0 +1,291 @@
+"""A learner: an ordinary training step, with each fragment's compressed outer gradient sent in the background."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from compjax._checks import check_range
+from compjax.algorithms.diloco import fragment_assignment
+from compjax.compressors.identity import identity
+from compjax.decoupled.messages import Contribution, Header, Reply, message_bytes
+from compjax.decoupled.transport import Transport
+
+logger = logging.getLogger("compjax.decoupled")
+
+
+@functools.cache
+def _default_compressor() -> optax.GradientTransformation:
+    """float32 outer gradients, exact: one instance, so its encoder compiles once per process."""
+    return identity(None, skip_nonfinite=False)
+
+
+@functools.cache
+def _encoder(compressor: optax.GradientTransformation) -> Callable:
+    """``(outer_gradient, comm_state) -> (decoded, comm_state)``, jitted once per compressor."""
+    return jax.jit(lambda delta, state: compressor.update(delta, state))
+
+
+@dataclasses.dataclass
+class LearnerStats:
+    """What a learner measured.
+
+    Attributes:
+      bytes_sent: per fragment, the bytes counted for its contributions (:func:`message_bytes`), summed.
+      sends: per fragment, the contributions sent.
+      delays: per fragment, for each reply, the inner steps taken between the send and the reply's use.
+      refusals: ``(fragment, reason)`` of every refusal the syncer answered.
+      step_seconds: wall seconds inside the training step (results awaited).
+      wait_seconds: wall seconds spent blocked on the syncer's replies.
+    """
+
+    bytes_sent: list[int]
+    sends: list[int]
+    delays: list[list[int]]
+    refusals: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    step_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+class Learner:
+    r"""One worker of asynchronous (decoupled) DiLoCo: inner steps, and each fragment's outer gradient sent.
+
+    Wraps an ordinary training step of one worker, ``train_step(params, inner_state,
+    batch) -> (params, inner_state, loss)`` (e.g. built with optax; called as given:
+    jit it yourself).  Fragments are Streaming DiLoCo's
+    (:func:`compjax.algorithms.fragment_assignment`): fragment ``p`` has the offset
+    ``t_p = (p H) // fragments`` and is due after inner step ``s`` when
+    ``s ≡ t_p (mod H)`` (``H = sync_every``, Douillard et al. 2025, Algorithm 2).
+    When it is due, the learner takes the fragment's outer gradient
+    ``Δ_p = θ^g_p − θ_p`` (its anchor, the global values it last received, minus
+    its parameters, in float32), compresses it with ``compressor`` (any compjax
+    compressor built with ``axis_name=None``; its state, e.g. the error-feedback
+    residual, is this learner's, one per fragment), and hands the decoded message
+    with its byte count (:func:`message_bytes`) and the tokens trained on since
+    the fragment's last send to a background thread that sends it
+    (:class:`Transport`), while the next inner steps run.
+
+    When the syncer's reply comes back with the merged global values ``θ̃_p``, the
+    anchor becomes ``θ̃_p`` and the parameters mix it in::
+
+        θ_p ← α θ_p + (1 − α) θ̃_p        (Streaming DiLoCo's merge; α = alpha)
+
+    and the delay (inner steps since the send) is recorded.  With
+    ``wait_for_merge=True`` the learner instead blocks after each send until the
+    reply arrives and takes ``θ_p ← θ̃_p`` (plain DiLoCo and Streaming DiLoCo
+    without overlap: with every learner waiting and a full quorum, the system
+    computes :func:`compjax.diloco`'s global parameters).  A fragment is never
+    sent twice at once: when it is due again before its reply came, the learner
+    waits for that reply first.  A refusal of a stale contribution carries the
+    current global values and is mixed in the same way; other refusals are
+    recorded in :attr:`stats` and logged.
+
+    Args:
+      name: this learner's name (as the syncer knows it).
+      train_step: ``(params, inner_state, batch) -> (params, inner_state, loss)``.
+      params: the initial parameters, equal to the syncer's global ones (a pytree).
+      inner_state: the initial state of the inner optimizer.
+      transport: where contributions go and replies come from.
+      sync_every: ``H``, inner steps between two sends of a fragment, an integer >= 1.
+      fragments: the number of fragments, as the syncer's.
+      compressor: a compjax compressor with ``axis_name=None`` for the outer
+        gradients, or None for :func:`compjax.identity` (float32, exact).
+      alpha: weight of the local parameters in the merge, in [0, 1] (unused with
+        ``wait_for_merge``).
+      wait_for_merge: block after each send until the merged fragment comes back.
+      reply_timeout_s: the longest wait for one reply, > 0, or None (forever).
+
+    Attributes:
+      params: the current parameters (the pytree ``train_step`` moves).
+      inner_state: the inner optimizer's state.
+      count: inner steps taken.
+      stats: :class:`LearnerStats`.
+
+    Raises:
+      ValueError: an argument outside the ranges above.
+      TimeoutError: (from :meth:`step` and :meth:`finish`) no reply within ``reply_timeout_s``.
+
+    References:
+      Douillard et al., "Streaming DiLoCo with overlapping communication", 2025
+      (Algorithm 2: fragments, offsets, the α merge); Douillard et al.,
+      "Decoupled DiLoCo", arXiv 2604.21428 (learners that send to a syncer
+      without waiting for each other).
+
+    Examples:
+      >>> import numpy as np, optax, threading
+      >>> from compjax.decoupled import InProcessTransport, Learner, Syncer
+      >>> params = {"w": np.ones(2, np.float32)}
+      >>> def train_step(p, s, target):   # one SGD step on |p - target|^2 / 2
+      ...     return {"w": p["w"] - 0.1 * (p["w"] - target)}, s, 0.0
+      >>> transport = InProcessTransport(["a"])
+      >>> syncer, stop = Syncer(params, learners=["a"], outer=optax.sgd(1.0)), threading.Event()
+      >>> server = threading.Thread(target=syncer.serve, args=(transport, stop)); server.start()
+      >>> learner = Learner("a", train_step, params, (), transport, sync_every=2, wait_for_merge=True)
+      >>> for _ in range(2):
+      ...     _ = learner.step(np.zeros(2, np.float32))
+      >>> learner.finish(); stop.set(); server.join()
+      >>> syncer.global_params()["w"], learner.stats.bytes_sent
+      (array([0.81, 0.81], dtype=float32), [8])
+    """
+
+    def __init__(
+        self,
+        name: str,
+        train_step: Callable,
+        params: Any,
+        inner_state: Any,
+        transport: Transport,
+        *,
+        sync_every: int,
+        fragments: int = 1,
+        compressor: optax.GradientTransformation | None = None,
+        alpha: float = 0.5,
+        wait_for_merge: bool = False,
+        reply_timeout_s: float | None = None,
+    ):
+        check_range("sync_every", sync_every, 1, None, integer=True, static=True)
+        check_range("fragments", fragments, 1, None, integer=True, static=True)
+        check_range("alpha", alpha, 0.0, 1.0)
+        if reply_timeout_s is not None:
+            check_range("reply_timeout_s", reply_timeout_s, 0.0, None, lo_open=True)
+        if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
+            raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
+        if not callable(train_step):
+            raise ValueError(f"train_step must be a callable (params, inner_state, batch) -> ..., got {train_step!r}")
+        self.name = str(name)
+        self.params = params
+        self.inner_state = inner_state
+        self.count = 0
+        self._step_fn = train_step
+        self._transport = transport
+        self._H = int(sync_every)
+        self._alpha = float(alpha)
+        self._wait = bool(wait_for_merge)
+        self._timeout = reply_timeout_s
+        self._index = fragment_assignment(params, int(fragments))
+        self._offsets = [(p * self._H) // len(self._index) for p in range(len(self._index))]
+        leaves = jax.tree.leaves(params)
+        wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
+        self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
+        self._tx = _default_compressor() if compressor is None else compressor
+        self._encode = _encoder(self._tx)
+        self._comm = [self._tx.init(a) for a in self._anchor]
+        self._version = [0] * len(self._index)
+        self._tokens = [0.0] * len(self._index)
+        self._outstanding: dict[int, int] = {}  # fragment -> inner step of its send
+        self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{name}")
+        self._sends: list[concurrent.futures.Future] = []
+        P = len(self._index)
+        self.stats = LearnerStats(bytes_sent=[0] * P, sends=[0] * P, delays=[[] for _ in range(P)])
+
+    @property
+    def fragments(self) -> int:
+        """The number of fragments."""
+        return len(self._index)
+
+    def compressor_state(self, fragment: int) -> Any:
+        """The compressor's state of ``fragment``: this learner's own (e.g. its error-feedback residual)."""
+        return self._comm[fragment]
+
+    def due(self, step: int) -> list[int]:
+        """The fragments whose outer gradient is sent after inner step ``step`` (>= 1)."""
+        return [p for p, t in enumerate(self._offsets) if step >= 1 and (step - t) % self._H == 0]
+
+    def step(self, batch: Any, tokens: float = 1.0) -> Any:
+        """One inner step on ``batch`` (``tokens`` of it count toward the merge weights); then the due sends.
+
+        Replies that came in are mixed in before the step.  Returns the step's loss.
+        """
+        self._apply_replies()
+        start = time.perf_counter()
+        self.params, self.inner_state, loss = self._step_fn(self.params, self.inner_state, batch)
+        jax.block_until_ready(self.params)
+        self.stats.step_seconds += time.perf_counter() - start
+        self.count += 1
+        self._tokens = [t + float(tokens) for t in self._tokens]
+        due = self.due(self.count)
+        for p in due:
+            while p in self._outstanding:  # never two sends of one fragment at once
+                self._await_reply()
+            self._send(p)
+        if self._wait:
+            while self._outstanding:
+                self._await_reply()
+        return loss
+
+    def finish(self) -> None:
+        """Wait for the sends in flight and their replies (mixed in), then stop the sender thread."""
+        while self._outstanding:
+            self._await_reply()
+        for f in self._sends:
+            f.result()
+        self._sender.shutdown(wait=True)
+
+    # --- sending ------------------------------------------------------------------------------------
+
+    def _send(self, p: int) -> None:
+        leaves = jax.tree.leaves(self.params)
+        delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
+        decoded, self._comm[p] = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
+        nbytes = message_bytes(self._comm[p])
+        header = Header(self.name, p, self._version[p], self._tokens[p], self.count,
+                        tuple(tuple(x.shape) for x in decoded), tuple(np.dtype(x.dtype).str for x in decoded), nbytes)
+        self._tokens[p] = 0.0
+        self._outstanding[p] = self.count
+        self.stats.bytes_sent[p] += nbytes
+        self.stats.sends[p] += 1
+        self._sends = [f for f in self._sends if not f.done()] + [self._sender.submit(self._ship, header, decoded)]
+
+    def _ship(self, header: Header, decoded: list) -> None:
+        """On the sender thread: wait for the encoded arrays and hand them to the transport."""
+        values = tuple(np.asarray(x) for x in decoded)
+        self._transport.send(Contribution(header, values))
+
+    # --- receiving ----------------------------------------------------------------------------------
+
+    def _await_reply(self) -> None:
+        for f in self._sends:
+            if f.done():
+                f.result()  # a failed send raises here rather than hanging
+        start = time.perf_counter()
+        reply = self._transport.poll(self.name, timeout=self._timeout)
+        self.stats.wait_seconds += time.perf_counter() - start
+        if reply is None:
+            raise TimeoutError(f"learner {self.name!r}: no reply from the syncer within {self._timeout} s "
+                               f"(fragments waiting: {sorted(self._outstanding)})")
+        self._use(reply)
+
+    def _apply_replies(self) -> None:
+        while (reply := self._transport.poll(self.name, timeout=0.0)) is not None:
+            self._use(reply)
+
+    def _use(self, reply: Reply) -> None:
+        p = reply.fragment
+        sent_at = self._outstanding.pop(p, None)
+        if not reply.accepted:
+            self.stats.refusals.append((p, reply.reason))
+            logger.warning("learner %r: the syncer refused fragment %r: %s", self.name, p, reply.reason)
+        if reply.values is None or not 0 <= p < self.fragments:
+            return
+        if sent_at is not None:
+            self.stats.delays[p].append(self.count - sent_at)
+        new = [jnp.asarray(v) for v in reply.values]
+        self._anchor[p] = new
+        self._version[p] = int(reply.version)
+        leaves, treedef = jax.tree.flatten(self.params)
+        a = 0.0 if self._wait else self._alpha
+        for i, g in zip(self._index[p], new):
+            x = jnp.asarray(leaves[i])
+            merged = g if a == 0.0 else a * x.astype(g.dtype) + (1 - a) * g
+            leaves[i] = merged.astype(x.dtype)
+        self.params = jax.tree.unflatten(treedef, leaves)

@@ -1,0 +1,115 @@
+"""What learners and the syncer say to each other: a contribution (header, then arrays) and a reply."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from compjax import accounting
+
+
+def message_bytes(comm_state: Any) -> int:
+    """The bytes one contribution counts: the compressor's ``payload_bytes`` after it encoded the message.
+
+    The one place where a decoupled learner's sends are counted, in the same unit as every
+    compjax compressor (:func:`compjax.payload_bytes`: the exact bytes of the compressed payload
+    of the last ``update``).  A transport's own framing is not included.
+
+    Args:
+      comm_state: the state a compjax compressor returned from the ``update`` that encoded the
+        message (one learner's, not worker-stacked).
+
+    Returns:
+      The byte count, a Python int >= 0.
+
+    Raises:
+      ValueError: ``comm_state`` holds no ``payload_bytes`` counter (not a compjax compressor's state).
+
+    Examples:
+      >>> import jax.numpy as jnp, compjax as cj
+      >>> tx = cj.identity()
+      >>> _, state = tx.update([jnp.ones(3)], tx.init([jnp.ones(3)]))
+      >>> message_bytes(state)   # three float32
+      12
+    """
+    return int(accounting.payload_bytes(comm_state))
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """The part of a contribution the syncer checks before any of its arrays is received.
+
+    Attributes:
+      learner: the sending learner's name.
+      fragment: the fragment index ``p`` (:func:`compjax.algorithms.fragment_assignment`).
+      base_version: the fragment's version (number of merges the syncer had made of it) that the
+        learner's anchor came from; the syncer's staleness of the contribution is its current
+        version minus this.
+      tokens: tokens the learner trained on since its last contribution of this fragment (the
+        merge weight), a positive finite number.
+      step: the learner's inner step after which the outer gradient was taken.
+      shapes: shape of each array of the message, in the fragment's leaf order.
+      dtypes: NumPy dtype string of each array (``np.dtype(d).str``, e.g. ``'<f4'``).
+      payload_bytes: the bytes the compressor counted for the message (:func:`message_bytes`).
+    """
+
+    learner: str
+    fragment: int
+    base_version: int
+    tokens: float
+    step: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    payload_bytes: int
+
+    def array_bytes(self) -> int:
+        """Bytes the declared arrays would take in memory (from ``shapes`` and ``dtypes`` alone).
+
+        Raises:
+          ValueError: a shape with a negative or non-integer dimension, or an unknown dtype.
+        """
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+                raise ValueError(f"shape {shape!r} is not a tuple of non-negative integers")
+            total += math.prod(shape) * np.dtype(dtype).itemsize
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """One learner's compressed outer gradient of one fragment: a header and the decoded arrays.
+
+    Attributes:
+      header: :class:`Header`.
+      values: the decoded message the syncer averages (the compressor's output for this one
+        learner, ``axis_name=None``), one NumPy array per leaf of the fragment.
+    """
+
+    header: Header
+    values: tuple[np.ndarray, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """The syncer's answer to a contribution: the fragment's global value after a merge, or a refusal.
+
+    Attributes:
+      learner: the learner it goes to.
+      fragment: the fragment index.
+      version: the fragment's version after the merge (or, for a refusal, its current version).
+      values: the fragment's global parameters (one NumPy array per leaf), or None when the refusal
+        carries none (a malformed contribution).
+      accepted: whether the contribution took part in this merge.
+      reason: why it was refused ('' when accepted).
+    """
+
+    learner: str
+    fragment: int
+    version: int
+    values: tuple[np.ndarray, ...] | None
+    accepted: bool = True
+    reason: str = ""

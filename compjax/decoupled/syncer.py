@@ -1,0 +1,419 @@
+"""The syncer: global parameters and outer optimizer state per fragment, merged from learners' contributions."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from compjax._checks import check_range
+from compjax.algorithms.diloco import fragment_assignment
+from compjax.decoupled.messages import Contribution, Header, Reply
+from compjax.decoupled.transport import Incoming, Transport
+
+logger = logging.getLogger("compjax.decoupled")
+
+
+@dataclasses.dataclass
+class _Round:
+    """The contributions of one fragment waiting for their merge."""
+
+    opened: float
+    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
+
+
+def _merge(outer_tx, anchor, outer_state, stacked, weights):
+    """Token-weighted mean of the contributions, then one outer step (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
+    w = weights / jnp.sum(weights)
+    mean = [jnp.tensordot(w, s.astype(jnp.float32), axes=1).astype(a.dtype) for s, a in zip(stacked, anchor)]
+    step, outer_state = outer_tx.update(mean, outer_state, anchor)
+    return optax.apply_updates(list(anchor), step), outer_state
+
+
+class Syncer:
+    r"""Holds the global model and the outer optimizer; merges fragments that independent learners send.
+
+    The parameters are split into ``fragments`` as Streaming DiLoCo's
+    (:func:`compjax.algorithms.fragment_assignment`; only floating-point, non-empty
+    leaves take part).  Per fragment ``p`` the syncer keeps the global values
+    ``θ^g_p`` (float32, or the leaf's dtype if wider), the state of the outer
+    optimizer over them, and a version ``v_p`` (the number of merges so far).
+
+    A learner's contribution to fragment ``p`` is its decoded, compressed outer
+    gradient ``m_i ≈ θ^g_p(v) − θ_p`` taken from version ``v``, with the tokens
+    ``n_i`` it trained on since its previous contribution to ``p``.  Its staleness
+    is ``τ_i = v_p − v``.  **Staleness rule** (bounded staleness, as the stale
+    synchronous parallel parameter server of Ho et al., NeurIPS 2013, with the
+    exponential discount ``e^{−α τ}`` of CGAD, arXiv 2605.09126, taking its
+    ``γ(τ) = 1``): a contribution with ``τ_i > max_staleness`` is refused; the
+    others weigh ``w_i = n_i · e^{−staleness_decay · τ_i}`` (``staleness_decay =
+    0``: tokens alone).  Contributions wait in the fragment's round; the round
+    opens with its first accepted contribution and is **merged** as soon as
+    ``min_quorum`` learners have contributed, or when ``grace_s`` seconds have
+    passed since it opened::
+
+        Δ̄_p   = Σ_i w_i m_i / Σ_i w_i                (token-weighted mean, float32)
+        θ^g_p ← θ^g_p + OuterOpt(Δ̄_p)                (default Nesterov SGD, lr 0.7, momentum 0.9)
+        v_p   ← v_p + 1
+
+    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).  With
+    ``min_quorum`` = all learners, equal tokens and no staleness this is exactly
+    the outer step of :func:`compjax.diloco` (DiLoCo, Douillard et al. 2023;
+    Streaming DiLoCo, Douillard et al. 2025, with fragments): the mean over
+    workers, then the outer optimizer.
+
+    **Refusals.**  A contribution from an unknown learner, for a fragment out of
+    range, whose arrays do not have the fragment's shapes and dtypes (or whose
+    declared size is larger than the fragment's), with tokens not positive and
+    finite, from a version the fragment never had, staler than
+    ``max_staleness``, a second one from the same learner in one round, or
+    holding a non-finite value, is refused: a ``WARNING`` on the
+    ``compjax.decoupled`` logger names the learner, the fragment and the reason,
+    :attr:`refused` records it, and neither the global model nor the outer state
+    change.  The header is checked before the arrays are pulled from the
+    transport, so nothing larger than the fragment is ever allocated.
+
+    Args:
+      params: the initial global parameters (a pytree; every learner starts from them).
+      learners: the names of the learners allowed to contribute (distinct strings).
+      fragments: the number of fragments, in [1, floating-point leaves of ``params``].
+      outer: the outer optimizer (an optax transformation); default
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).
+      min_quorum: contributions that trigger a merge, in [1, len(learners)];
+        default all learners.
+      grace_s: seconds a round waits for its quorum after it opened, > 0;
+        None (default) waits forever.
+      max_staleness: the largest staleness accepted, an integer >= 0.
+      staleness_decay: ``α >= 0`` of the weight ``e^{−α τ}`` of a stale contribution.
+
+    Attributes:
+      refused: ``(learner, fragment, reason)`` of every refused contribution, in order.
+      merges: ``(fragment, version, learners)`` of every merge, in order.
+
+    Raises:
+      ValueError: any argument outside the ranges above, or ``outer`` not an optax
+        transformation.
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of
+      Language Models", 2023; Douillard et al., "Streaming DiLoCo with
+      overlapping communication", 2025; Douillard et al., "Decoupled DiLoCo",
+      arXiv 2604.21428 (learners, a syncer, quorum, grace window, token
+      weights); Ho et al., "More Effective Distributed ML via a Stale
+      Synchronous Parallel Parameter Server", NeurIPS 2013; CGAD, arXiv
+      2605.09126.
+
+    Examples:
+      >>> import numpy as np, optax
+      >>> from compjax.decoupled import Syncer, Contribution, Header
+      >>> s = Syncer({"w": np.ones(2, np.float32)}, learners=["a", "b"], outer=optax.sgd(1.0))
+      >>> def send(name, delta, tokens):
+      ...     h = Header(name, 0, 0, tokens, 1, ((2,),), ("<f4",), 8)
+      ...     return s.submit(Contribution(h, (np.full(2, delta, np.float32),)))
+      >>> send("a", 0.5, 1), send("b", 0.2, 3)   # the second completes the quorum: merged
+      ([], [Reply(learner='a', ...), Reply(learner='b', ...)])
+      >>> s.global_params()["w"]   # 1 - (0.5 * 1 + 0.2 * 3) / 4
+      array([0.725, 0.725], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        learners: Sequence[str],
+        fragments: int = 1,
+        outer: optax.GradientTransformation | None = None,
+        min_quorum: int | None = None,
+        grace_s: float | None = None,
+        max_staleness: int = 0,
+        staleness_decay: float = 0.0,
+    ):
+        names = [str(x) for x in learners]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"learners must be a non-empty sequence of distinct names, got {learners!r}")
+        check_range("fragments", fragments, 1, None, integer=True, static=True)
+        quorum = len(names) if min_quorum is None else min_quorum
+        check_range("min_quorum", quorum, 1, len(names), integer=True, static=True)
+        if grace_s is not None:
+            check_range("grace_s", grace_s, 0.0, None, lo_open=True)
+        check_range("max_staleness", max_staleness, 0, None, integer=True, static=True)
+        check_range("staleness_decay", staleness_decay, 0.0, None)
+        if outer is not None and not isinstance(outer, optax.GradientTransformation):
+            raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
+        self.learners = tuple(names)
+        self.min_quorum = int(quorum)
+        self.grace_s = None if grace_s is None else float(grace_s)
+        self.max_staleness = int(max_staleness)
+        self.staleness_decay = float(staleness_decay)
+        self._outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+        leaves, self._treedef = jax.tree.flatten(params)
+        self._others = [np.array(x, copy=True) for x in leaves]  # never-synchronized leaves, as given
+        self._index = fragment_assignment(params, int(fragments))
+        wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
+        self._global = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
+        self._outer = [self._outer_tx.init(g) for g in self._global]
+        self._version = [0] * len(self._index)
+        self._last_merged = {name: [-1] * len(self._index) for name in names}
+        self._rounds: list[_Round | None] = [None] * len(self._index)
+        self._merge = jax.jit(lambda a, o, s, w: _merge(self._outer_tx, a, o, s, w))
+        self._lock = threading.RLock()
+        self.refused: list[tuple[str, int, str]] = []
+        self.merges: list[tuple[int, int, tuple[str, ...]]] = []
+
+    # --- what a learner starts from ---------------------------------------------------------------
+
+    @property
+    def fragments(self) -> int:
+        """The number of fragments."""
+        return len(self._index)
+
+    def fragment_leaves(self) -> list[list[int]]:
+        """Per fragment, the indices into ``jax.tree.leaves(params)`` of its leaves."""
+        return [list(idx) for idx in self._index]
+
+    def versions(self) -> list[int]:
+        """Per fragment, the number of merges made of it."""
+        with self._lock:
+            return list(self._version)
+
+    def last_merged(self) -> dict[str, list[int]]:
+        """Per learner, per fragment: the version its last merged contribution produced (-1: none yet)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._last_merged.items()}
+
+    def fragment_values(self, fragment: int) -> tuple[np.ndarray, ...]:
+        """The global values of ``fragment``'s leaves (NumPy copies, float32 or wider)."""
+        with self._lock:
+            return tuple(np.array(x, copy=True) for x in self._global[fragment])
+
+    def global_params(self) -> Any:
+        """The global model in the structure of ``params``: each synchronized leaf in its own dtype."""
+        with self._lock:
+            out = list(self._others)
+            for idx, values in zip(self._index, self._global):
+                for i, x in zip(idx, values):
+                    out[i] = np.array(x, dtype=self._others[i].dtype, copy=True)
+            return jax.tree.unflatten(self._treedef, out)
+
+    def state(self) -> dict:
+        """The syncer's whole numeric state as a pytree (what :meth:`save` writes).
+
+        ``{"global": per fragment the list of global leaves, "outer": per fragment the outer
+        optimizer state, "version": int32 (fragments,), "last_merged": int32 (learners, fragments)
+        in the order of ``learners``}``.
+        """
+        with self._lock:
+            return {
+                "global": [list(g) for g in self._global],
+                "outer": list(self._outer),
+                "version": np.asarray(self._version, np.int32),
+                "last_merged": np.asarray([self._last_merged[k] for k in self.learners], np.int32),
+            }
+
+    # --- contributions ------------------------------------------------------------------------------
+
+    def admit(self, header: Header) -> str:
+        """Why the contribution of ``header`` must be refused, from the header alone ('' when admissible).
+
+        Checked in this order: the learner is known; the fragment is an integer in range; the
+        declared arrays are as many as the fragment's leaves and their size no larger than the
+        fragment's (before anything is allocated); each declared shape and dtype is the
+        fragment's; the tokens are positive and finite; the base version exists; the staleness
+        is at most ``max_staleness``; the learner has not contributed to the open round already.
+        """
+        with self._lock:
+            if header.learner not in self._last_merged:
+                return f"unknown learner {header.learner!r} (known: {', '.join(self.learners)})"
+            p = header.fragment
+            if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
+                return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
+            want = self._global[p]
+            if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
+                return (f"wrong size: fragment {p} has {len(want)} arrays, the header declares "
+                        f"{len(header.shapes)} shapes and {len(header.dtypes)} dtypes")
+            limit = sum(x.size * x.dtype.itemsize for x in want)
+            try:
+                declared = header.array_bytes()
+            except (ValueError, TypeError) as e:
+                return f"wrong shape or dtype: {e}"
+            if declared > limit:
+                return f"wrong size: {declared} bytes declared, fragment {p} holds {limit}"
+            for j, (shape, dtype, x) in enumerate(zip(header.shapes, header.dtypes, want)):
+                if tuple(shape) != x.shape or np.dtype(dtype) != x.dtype:
+                    return (f"wrong shape or dtype of array {j}: {tuple(shape)} {np.dtype(dtype)}, fragment {p} "
+                            f"has {x.shape} {x.dtype}")
+            if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
+                    and header.tokens > 0):
+                return f"tokens must be positive and finite, got {header.tokens!r}"
+            tau = self._version[p] - header.base_version
+            if header.base_version < 0 or tau < 0:
+                return f"base version {header.base_version} of fragment {p} does not exist (now {self._version[p]})"
+            if tau > self.max_staleness:
+                return f"stale: staleness {tau} > max_staleness {self.max_staleness}"
+            r = self._rounds[p]
+            if r is not None and header.learner in r.entries:
+                return f"learner {header.learner!r} already contributed to the open round of fragment {p}"
+            return ""
+
+    def submit(self, contribution: Contribution, *, now: float | None = None) -> list[Reply]:
+        """Take one contribution whose arrays are already in memory (see :meth:`handle`)."""
+        values = contribution.values
+        return self.handle(Incoming(contribution.header, lambda: values), now=now)
+
+    def handle(self, incoming: Incoming, *, now: float | None = None) -> list[Reply]:
+        """Check a contribution's header, pull its arrays if admitted, check them, add it to its round.
+
+        Args:
+          incoming: the header and the ``pull`` of its arrays (:class:`Incoming`).
+          now: the time in seconds (``time.monotonic()`` by default), which opens the round.
+
+        Returns:
+          The replies to send: a refusal to a known learner, or, when this contribution
+          completes the quorum, the merged fragment to each contributor ([] otherwise).
+        """
+        h = incoming.header
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            why = self.admit(h)
+            if not why:
+                values = tuple(np.asarray(x) for x in incoming.pull())
+                why = self._check_values(h.fragment, values)
+            if why:
+                return self._refuse(h, why)
+            p = h.fragment
+            tau = self._version[p] - h.base_version
+            weight = float(h.tokens) * math.exp(-self.staleness_decay * tau)
+            if self._rounds[p] is None:
+                self._rounds[p] = _Round(opened=now)
+            self._rounds[p].entries[h.learner] = (weight, values, tau)
+            if len(self._rounds[p].entries) >= self.min_quorum:
+                return self._merge_round(p)
+            return []
+
+    def tick(self, *, now: float | None = None) -> list[Reply]:
+        """Merge every open round whose grace window has ended; the replies to send."""
+        now = time.monotonic() if now is None else now
+        out = []
+        with self._lock:
+            for p, r in enumerate(self._rounds):
+                if r is not None and self.grace_s is not None and now - r.opened >= self.grace_s:
+                    out += self._merge_round(p)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The time (``time.monotonic`` clock) at which the earliest open round's grace window ends, or None."""
+        with self._lock:
+            if self.grace_s is None:
+                return None
+            opened = [r.opened for r in self._rounds if r is not None]
+            return min(opened) + self.grace_s if opened else None
+
+    def _check_values(self, p: int, values: tuple) -> str:
+        want = self._global[p]
+        if len(values) != len(want):
+            return f"wrong size: {len(values)} arrays received, fragment {p} has {len(want)}"
+        for j, (v, x) in enumerate(zip(values, want)):
+            if v.shape != x.shape or v.dtype != x.dtype:
+                return f"wrong shape or dtype of array {j}: received {v.shape} {v.dtype}, fragment has {x.shape} {x.dtype}"
+        for j, v in enumerate(values):
+            if not np.all(np.isfinite(v)):
+                return f"non-finite value in array {j}"
+        return ""
+
+    def _refuse(self, h: Header, why: str) -> list[Reply]:
+        logger.warning("refused the contribution of learner %r to fragment %r: %s", h.learner, h.fragment, why)
+        self.refused.append((h.learner, h.fragment, why))
+        if h.learner not in self._last_merged:
+            return []
+        ok = isinstance(h.fragment, (int, np.integer)) and 0 <= h.fragment < self.fragments
+        stale = why.startswith("stale")  # the learner catches up from the current global values
+        values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
+        version = self._version[h.fragment] if ok else -1
+        return [Reply(h.learner, int(h.fragment) if ok else -1, version, values, accepted=False, reason=why)]
+
+    def _merge_round(self, p: int) -> list[Reply]:
+        r = self._rounds[p]
+        self._rounds[p] = None
+        names = list(r.entries)
+        weights = jnp.asarray([r.entries[k][0] for k in names], jnp.float32)
+        stacked = [jnp.stack([r.entries[k][1][j] for k in names]) for j in range(len(self._global[p]))]
+        new, outer_state = self._merge(self._global[p], self._outer[p], stacked, weights)
+        self._global[p], self._outer[p] = list(new), outer_state
+        self._version[p] += 1
+        for k in names:
+            self._last_merged[k][p] = self._version[p]
+        self.merges.append((p, self._version[p], tuple(names)))
+        logger.info("merged fragment %d (version %d) from %s", p, self._version[p], ", ".join(names))
+        values = tuple(np.array(x, copy=True) for x in new)
+        return [Reply(k, p, self._version[p], values) for k in names]
+
+    # --- running and checkpoints --------------------------------------------------------------------
+
+    def serve(self, transport: Transport, stop: threading.Event, *, poll_s: float = 0.05) -> None:
+        """Receive, merge and reply until ``stop`` is set (run it in a thread of its own).
+
+        Args:
+          transport: where contributions come from and replies go.
+          stop: set it to end the loop (within ``poll_s`` seconds).
+          poll_s: the longest wait for a contribution before the loop checks ``stop`` and the
+            grace windows again, > 0.
+        """
+        check_range("poll_s", poll_s, 0.0, None, lo_open=True)
+        while not stop.is_set():
+            deadline = self.next_deadline()
+            wait = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
+            incoming = transport.receive(timeout=wait)
+            replies = self.handle(incoming) if incoming is not None else []
+            replies += self.tick()
+            for reply in replies:
+                transport.reply(reply)
+
+    def save(self, directory: str | Path, step: int) -> None:
+        """Write :meth:`state` to ``directory`` as checkpoint ``step`` with orbax (waits until it is on disk).
+
+        Open rounds are not saved: their contributions are lost with a restart (learners send again).
+
+        Raises:
+          ValueError: ``step`` < 0 or not newer than the latest checkpoint in ``directory``.
+        """
+        from compjax.checkpoint import Checkpointer  # orbax stays out of ``import compjax``
+
+        with self._lock, Checkpointer(directory) as ckpt:
+            ckpt.save(int(step), self.state(), extra={"learners": list(self.learners)})
+
+    def restore(self, directory: str | Path, *, step: int | None = None) -> int:
+        """Load a checkpoint of :meth:`save` into this syncer (built with the same arguments); its step.
+
+        The global parameters, outer state, versions and last-merged counters come back
+        bit-identical; open rounds are dropped.
+
+        Raises:
+          FileNotFoundError: no checkpoint in ``directory`` (or not ``step``).
+          ValueError: the checkpoint's learners, fragments, leaf shapes or dtypes or outer
+            state differ from this syncer's.
+        """
+        from compjax.checkpoint import Checkpointer
+
+        with self._lock, Checkpointer(directory) as ckpt:
+            step = ckpt.latest_step() if step is None else int(step)
+            state, extra = ckpt.restore(self.state(), step=step)
+            if extra.get("learners") != list(self.learners):
+                raise ValueError(f"the checkpoint's learners {extra.get('learners')} differ from this syncer's "
+                                 f"{list(self.learners)}: build the syncer with the same learners")
+            self._global = [list(g) for g in state["global"]]
+            self._outer = list(state["outer"])
+            self._version = [int(v) for v in np.asarray(state["version"])]
+            self._last_merged = {k: [int(v) for v in row] for k, row in zip(self.learners,
+                                                                              np.asarray(state["last_merged"]))}
+            self._rounds = [None] * self.fragments
+            return int(step)

@@ -1,0 +1,138 @@
+"""The decoupled learner: Streaming DiLoCo's schedule, sends from a background thread while inner steps go on,
+the α merge of a late reply with its delay recorded, and a run that completes without a silent learner."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import compjax as cj
+from compjax.decoupled import InProcessTransport, Learner, Syncer
+
+LR = 0.1
+
+
+def init():
+    rng = np.random.default_rng(0)
+    return {"blocks": [{"w": rng.normal(size=(3, 2)).astype(np.float32)} for _ in range(3)],
+            "out": rng.normal(size=(4,)).astype(np.float32)}
+
+
+def sgd_step(params, inner_state, target):
+    """One SGD step on 0.5 |θ - target|^2 (target: a float)."""
+    return jax.tree.map(lambda x: x - LR * (x - target), params), inner_state, 0.0
+
+
+def learner(name, transport, **kwargs):
+    kwargs = {"sync_every": 2, "reply_timeout_s": 30.0, **kwargs}
+    return Learner(name, sgd_step, init(), (), transport, **kwargs)
+
+
+def test_schedule_is_streaming_diloco():
+    """Fragment p is due after step s when s ≡ (p H) // P (mod H), s >= 1: cj.diloco's offsets."""
+    lrn = learner("a", InProcessTransport(["a"]), sync_every=6, fragments=4)
+    assert [lrn.due(s) for s in range(0, 8)] == [[], [1], [], [2], [3], [], [0], [1]]
+
+
+class HeldTransport(InProcessTransport):
+    """Its send blocks until ``release`` is set (a slow network)."""
+
+    def __init__(self, learners):
+        super().__init__(learners)
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def send(self, contribution):
+        self.entered.set()
+        assert self.release.wait(timeout=30)
+        super().send(contribution)
+
+
+def test_inner_steps_go_on_while_a_send_is_held_then_a_late_reply_is_mixed_with_alpha():
+    alpha = 0.25
+    transport = HeldTransport(["a"])
+    syncer = Syncer(init(), learners=["a"], outer=optax.sgd(1.0))
+    lrn = learner("a", transport, alpha=alpha)
+    lrn.step(1.0)
+    lrn.step(1.0)  # fragment 0 is due: handed to the sender thread, whose send is held
+    assert transport.entered.wait(timeout=30)
+    lrn.step(1.0)  # the learner trains on while the bytes are on their way
+    assert lrn.count == 3 and transport.receive() is None and lrn.stats.sends == [1]
+    transport.release.set()
+    incoming = transport.receive(timeout=30)
+    assert incoming.header.step == 2 and incoming.header.tokens == 2.0
+    for reply in syncer.handle(incoming):
+        transport.reply(reply)
+    theta3 = jax.tree.leaves(lrn.params)
+    merged = syncer.fragment_values(0)
+    lrn.step(1.0)  # the reply is mixed in before step 4: θ ← α θ + (1 - α) θ̃, then the SGD step
+    for got, x, g in zip(jax.tree.leaves(lrn.params), theta3, merged):
+        mixed = alpha * x + (1 - alpha) * g
+        np.testing.assert_allclose(got, mixed - LR * (mixed - 1.0), rtol=1e-6, atol=1e-6)
+    assert lrn.stats.delays == [[1]]  # sent after step 2, used after step 3
+    for reply in syncer.handle(transport.receive(timeout=30)):  # step 4's send
+        transport.reply(reply)
+    lrn.finish()
+    assert lrn.stats.sends == [2] and lrn.stats.delays == [[1, 0]] and syncer.versions() == [2]
+    assert lrn.stats.bytes_sent == [2 * 4 * (3 * 6 + 4)]  # identity: float32 outer gradients
+
+
+def test_a_silent_learner_holds_the_others_only_for_the_grace_window():
+    """min_quorum = all three, "c" never sends: every round of a and b merges at the end of its window."""
+    names = ["a", "b", "c"]
+    transport = InProcessTransport(names)
+    syncer = Syncer(init(), learners=names, fragments=2, grace_s=0.5)
+    learners = [learner(n, transport, fragments=2, wait_for_merge=True) for n in ("a", "b")]
+    errors = []
+
+    def work(lrn):
+        try:
+            for _ in range(4):
+                lrn.step(1.0)
+            lrn.finish()
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    stop = threading.Event()
+    server = threading.Thread(target=syncer.serve, args=(transport, stop))
+    threads = [threading.Thread(target=work, args=(lrn,)) for lrn in learners]
+    server.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    stop.set()
+    server.join(timeout=10)
+    assert not errors and not any(t.is_alive() for t in threads)
+    # Every merge came from a grace window (the quorum of three never formed); both learners' last sends merged.
+    assert syncer.merges and all("c" not in m[2] for m in syncer.merges)
+    assert min(syncer.versions()) >= 2 and syncer.last_merged()["c"] == [-1, -1]
+    assert all(v >= 1 for k in "ab" for v in syncer.last_merged()[k])
+    assert all(lrn.stats.sends == [2, 2] for lrn in learners)
+
+
+def test_error_feedback_stays_on_the_learner():
+    """top-k of half the outer gradient: what was not sent is in the learner's compressor state, per fragment."""
+    transport = InProcessTransport(["a"])
+    lrn = learner("a", transport, compressor=cj.topk(0.5, skip_nonfinite=False))
+    lrn.step(1.0)
+    lrn.step(1.0)
+    sent = transport.receive(timeout=30).pull()
+    anchor = jax.tree.leaves(init())
+    delta = [a - x for a, x in zip(anchor, jax.tree.leaves(lrn.params))]
+    residual = lrn.compressor_state(0).residual
+    for d, s, r in zip(delta, sent, residual):
+        np.testing.assert_allclose(np.asarray(s) + np.asarray(r), d, rtol=1e-6, atol=1e-6)
+        assert np.count_nonzero(np.asarray(r)) > 0
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(sync_every=0), "sync_every"), (dict(fragments=0), "fragments"), (dict(alpha=1.5), "alpha"),
+    (dict(reply_timeout_s=0.0), "reply_timeout_s"), (dict(compressor="topk"), "compressor"),
+])
+def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        learner("a", InProcessTransport(["a"]), **kwargs)

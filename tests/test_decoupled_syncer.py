@@ -1,0 +1,233 @@
+"""The decoupled syncer: token-weighted merges against NumPy, quorum and grace window, the staleness rule,
+refusals that leave the model untouched, and checkpoints that restore bit-identically."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from compjax.decoupled import Contribution, Header, Incoming, Syncer
+
+SHAPES = {"a": (3, 2), "b": (4,), "c": (2, 2)}
+NAMES = ["x", "y", "z"]
+
+
+def init():
+    rng = np.random.default_rng(0)
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def message(syncer, name, p, base, tokens, seed, **changes):
+    """A well-formed contribution to fragment ``p`` (random values), with header fields replaced by ``changes``."""
+    rng = np.random.default_rng(seed)
+    values = tuple(rng.normal(size=x.shape).astype(np.float32) for x in syncer.fragment_values(p))
+    fields = dict(learner=name, fragment=p, base_version=base, tokens=tokens, step=1,
+                  shapes=tuple(v.shape for v in values), dtypes=tuple(v.dtype.str for v in values), payload_bytes=0)
+    fields.update(changes)
+    return Contribution(Header(**fields), values)
+
+
+def snapshot(syncer):
+    """Every array of the syncer's state as bytes (dtype and shape included): bitwise comparison."""
+    return [(np.asarray(x).dtype.str, np.asarray(x).shape, np.asarray(x).tobytes())
+            for x in jax.tree.leaves(syncer.state())]
+
+
+def np_nesterov(x, g, trace, lr=0.7, mu=0.9):
+    """optax.sgd(lr, momentum=mu, nesterov=True) in float64: new x and trace."""
+    trace = g + mu * trace
+    return x - lr * (g + mu * trace), trace
+
+
+# --- merges ---------------------------------------------------------------------------------------------
+
+
+def test_token_weighted_merges_match_numpy():
+    """Two merges of one fragment, tokens 1, 2, 5 then 3, 3, 1: weighted means, DiLoCo's Nesterov outer step."""
+    s = Syncer(init(), learners=NAMES)
+    x = [v.astype(np.float64) for v in s.fragment_values(0)]
+    trace = [np.zeros_like(v) for v in x]
+    for rnd, tokens in enumerate(([1, 2, 5], [3, 3, 1])):
+        msgs = [message(s, n, 0, rnd, t, seed=10 * rnd + i) for i, (n, t) in enumerate(zip(NAMES, tokens))]
+        replies = []
+        for m in msgs:
+            replies += s.submit(m)
+        assert [r.learner for r in replies] == NAMES and all(r.accepted for r in replies)
+        for j in range(len(x)):
+            mean = sum(t * m.values[j].astype(np.float64) for t, m in zip(tokens, msgs)) / sum(tokens)
+            x[j], trace[j] = np_nesterov(x[j], mean, trace[j])
+        for r in replies:
+            for a, b in zip(r.values, x):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert s.versions() == [2]
+    assert s.last_merged() == {n: [2] for n in NAMES}
+    got = jax.tree.leaves(s.global_params())
+    for a, b in zip(got, x):  # one fragment holds every leaf, in tree order
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_quorum_merges_without_the_missing_learner_and_fragments_are_independent():
+    s = Syncer(init(), learners=NAMES, fragments=3, min_quorum=2, outer=optax.sgd(1.0))
+    assert s.submit(message(s, "x", 1, 0, 1.0, seed=1)) == []
+    assert s.submit(message(s, "x", 2, 0, 1.0, seed=2)) == []  # another fragment: its own round
+    replies = s.submit(message(s, "y", 1, 0, 3.0, seed=3))
+    assert [r.learner for r in replies] == ["x", "y"] and s.versions() == [0, 1, 0]
+    assert s.merges == [(1, 1, ("x", "y"))] and s.last_merged()["z"] == [-1, -1, -1]
+
+
+def test_grace_window_merges_what_came():
+    """min_quorum = all: a round with one contribution waits; at the end of its grace window it merges alone."""
+    s = Syncer(init(), learners=NAMES, grace_s=10.0, outer=optax.sgd(1.0))
+    m = message(s, "x", 0, 0, 2.0, seed=1)
+    before = s.fragment_values(0)
+    assert s.submit(m, now=100.0) == [] and s.next_deadline() == 110.0
+    assert s.tick(now=109.9) == [] and s.versions() == [0]
+    replies = s.tick(now=110.0)
+    assert [r.learner for r in replies] == ["x"] and s.versions() == [1] and s.next_deadline() is None
+    for g, b, v in zip(s.fragment_values(0), before, m.values):  # sgd(1): θ - Δ̄, one contributor
+        np.testing.assert_allclose(g, b - v, rtol=1e-6, atol=1e-6)
+
+
+def test_without_grace_window_a_round_waits_for_its_quorum():
+    s = Syncer(init(), learners=NAMES)
+    s.submit(message(s, "x", 0, 0, 2.0, seed=1), now=0.0)
+    assert s.tick(now=1e9) == [] and s.versions() == [0] and s.next_deadline() is None
+
+
+def test_staleness_rule_discounts_then_refuses():
+    """max_staleness 1, decay α: a contribution one merge old weighs tokens · e^{-α}; two merges old is refused."""
+    alpha = 0.7
+    s = Syncer(init(), learners=NAMES, min_quorum=2, max_staleness=1, staleness_decay=alpha, outer=optax.sgd(1.0))
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1))
+    s.submit(message(s, "y", 0, 0, 1.0, seed=2))  # merge 1
+    stale = message(s, "z", 0, 0, 4.0, seed=3)   # taken from version 0: staleness 1
+    fresh = message(s, "x", 0, 1, 2.0, seed=4)
+    before = [v.astype(np.float64) for v in s.fragment_values(0)]
+    assert s.submit(stale) == []
+    replies = s.submit(fresh)  # merge 2
+    w = np.array([4.0 * math.exp(-alpha), 2.0])
+    for g, b, vs, vf in zip(s.fragment_values(0), before, stale.values, fresh.values):
+        np.testing.assert_allclose(g, b - (w[0] * vs + w[1] * vf) / w.sum(), rtol=1e-6, atol=1e-6)
+    assert {r.learner for r in replies} == {"x", "z"}
+    old = snapshot(s)
+    (reply,) = s.submit(message(s, "y", 0, 0, 1.0, seed=5))  # staleness 2 > 1
+    assert not reply.accepted and reply.reason.startswith("stale") and reply.version == 2
+    for a, b in zip(reply.values, s.fragment_values(0)):  # the refusal carries the current global values
+        np.testing.assert_array_equal(a, b)
+    assert snapshot(s) == old
+
+
+# --- refusals -------------------------------------------------------------------------------------------
+
+
+def bad_cases():
+    """name -> (how to build the bad contribution from a syncer, a word of the logged reason, header refused)."""
+    f64 = lambda v: tuple(x.astype(np.float64) for x in v)  # noqa: E731
+    return {
+        "unknown learner": (lambda s: message(s, "intruder", 0, 1, 1.0, 1), "unknown learner", True),
+        "fragment out of range": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment=2), "wrong fragment", True),
+        "fragment negative": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment=-1), "wrong fragment", True),
+        "fragment not an int": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment="0"), "wrong fragment", True),
+        "too few arrays": (lambda s: edit(s, lambda sh, dt: (sh[:1], dt[:1])), "wrong size", True),
+        "declared too large": (lambda s: edit(s, lambda sh, dt: (((1 << 40,),) + sh[1:], dt)), "wrong size", True),
+        "declared shape": (lambda s: edit(s, lambda sh, dt: ((sh[0][::-1],) + sh[1:], dt)), "wrong shape", True),
+        "negative dimension": (lambda s: edit(s, lambda sh, dt: (((-6,),) + sh[1:], dt)), "wrong shape", True),
+        "declared dtype": (lambda s: edit(s, lambda sh, dt: (sh, ("<f2",) + dt[1:])), "wrong shape or dtype", True),
+        "tokens zero": (lambda s: message(s, "x", 0, 1, 0.0, 1), "tokens", True),
+        "tokens nan": (lambda s: message(s, "x", 0, 1, float("nan"), 1), "tokens", True),
+        "future version": (lambda s: message(s, "x", 0, 5, 1.0, 1), "does not exist", True),
+        "stale": (lambda s: message(s, "x", 0, 0, 1.0, 1), "stale", True),
+        "arrays' dtype differs from the header": (
+            lambda s: Contribution(message(s, "x", 0, 1, 1.0, 1).header, f64(message(s, "x", 0, 1, 1.0, 1).values)),
+            "wrong shape or dtype", False),
+        "arrays' shape differs from the header": (
+            lambda s: Contribution(message(s, "x", 0, 1, 1.0, 1).header,
+                                   tuple(v.reshape(-1) for v in message(s, "x", 0, 1, 1.0, 1).values)),
+            "wrong shape or dtype", False),
+        "nan": (lambda s: poison(message(s, "x", 0, 1, 1.0, 1), np.nan), "non-finite", False),
+        "inf": (lambda s: poison(message(s, "x", 0, 1, 1.0, 1), -np.inf), "non-finite", False),
+    }
+
+
+def edit(s, change):
+    """x's contribution to fragment 0 with its declared shapes and dtypes changed (the arrays kept)."""
+    m = message(s, "x", 0, 1, 1.0, 1)
+    shapes, dtypes = change(m.header.shapes, m.header.dtypes)
+    return message(s, "x", 0, 1, 1.0, 1, shapes=shapes, dtypes=dtypes)
+
+
+def poison(m, value):
+    values = [v.copy() for v in m.values]
+    values[-1].flat[1] = value
+    return Contribution(m.header, tuple(values))
+
+
+@pytest.mark.parametrize("case", sorted(bad_cases()))
+def test_bad_contribution_is_refused_logged_and_changes_nothing(case, caplog):
+    build, reason, header_refused = bad_cases()[case]
+    s = Syncer(init(), learners=NAMES, fragments=2, min_quorum=2)
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1))
+    s.submit(message(s, "y", 0, 0, 1.0, seed=2))  # one merge: the outer momentum is non-zero
+    s.submit(message(s, "z", 0, 1, 1.0, seed=3))  # an open round of one
+    old, merges = snapshot(s), list(s.merges)
+    bad = build(s)
+    pulls = []
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.handle(Incoming(bad.header, lambda: pulls.append(1) or bad.values))
+    assert len(s.refused) == 1 and reason in s.refused[0][2]
+    assert any(reason in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert pulls == ([] if header_refused else [1])  # a refused header: the arrays are never received
+    assert snapshot(s) == old and s.merges == merges
+    assert all(not r.accepted for r in replies) and len(replies) == (0 if case == "unknown learner" else 1)
+    # The open round is as it was: one good contribution more completes it, with z's and that one only.
+    replies = s.submit(message(s, "y", 0, 1, 1.0, seed=4))
+    assert [r.learner for r in replies] == ["z", "y"]
+
+
+def test_a_second_contribution_to_one_round_is_refused():
+    s = Syncer(init(), learners=NAMES)
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1))
+    old = snapshot(s)
+    (reply,) = s.submit(message(s, "x", 0, 0, 1.0, seed=2))
+    assert "already contributed" in reply.reason and snapshot(s) == old
+
+
+# --- arguments and checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(learners=[]), "learners"), (dict(learners=["a", "a"]), "learners"),
+    (dict(learners=NAMES, min_quorum=4), "min_quorum"), (dict(learners=NAMES, min_quorum=0), "min_quorum"),
+    (dict(learners=NAMES, grace_s=0.0), "grace_s"), (dict(learners=NAMES, max_staleness=-1), "max_staleness"),
+    (dict(learners=NAMES, staleness_decay=-0.1), "staleness_decay"), (dict(learners=NAMES, fragments=4), "fragments"),
+    (dict(learners=NAMES, outer="sgd"), "outer"),
+])
+def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        Syncer(init(), **kwargs)
+
+
+def test_checkpoint_round_trip_is_bit_identical(tmp_path):
+    def run(s, first, last):
+        for v in range(first, last):
+            s.submit(message(s, "x", v % 2, v // 2, 1.0 + v, seed=2 * v))
+            s.submit(message(s, "y", v % 2, v // 2, 2.0, seed=2 * v + 1))
+
+    s = Syncer(init(), learners=["x", "y", "z"], fragments=2, min_quorum=2)
+    run(s, 0, 4)
+    s.save(tmp_path / "ckpt", step=4)
+    fresh = Syncer(init(), learners=["x", "y", "z"], fragments=2, min_quorum=2)
+    assert fresh.restore(tmp_path / "ckpt") == 4
+    assert snapshot(fresh) == snapshot(s)
+    assert fresh.versions() == [2, 2] and fresh.last_merged() == s.last_merged()
+    assert fresh.last_merged()["z"] == [-1, -1]
+    run(s, 4, 6)  # the outer momentum came back too: the next merges agree bit for bit
+    run(fresh, 4, 6)
+    assert snapshot(fresh) == snapshot(s)
+    with pytest.raises(ValueError, match="learners"):
+        Syncer(init(), learners=["x", "y", "w"], fragments=2).restore(tmp_path / "ckpt")
