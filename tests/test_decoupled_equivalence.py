@@ -80,7 +80,7 @@ def run_decoupled(steps, H, P, comp):
 def test_full_quorum_without_overlap_equals_diloco_in_one_spmd_program(P, H, steps, comp):
     tx = cj.diloco(optax.sgd(LR), sync_every=H, fragments=P, compressor=compressor(comp, AXIS), axis_name=AXIS)
     hist, _, state = run_vmap(tx, steps, N)
-    one = lambda tree: jax.tree.map(lambda x: np.asarray(x)[0], tree)  # noqa: E731
+    one = lambda tree: jax.tree.map(lambda x: np.asarray(x)[0], tree)
     want = cj.diloco_global_params(one(state), one(hist[-1]))
 
     syncer, learners = run_decoupled(steps, H, P, comp)

@@ -35,7 +35,7 @@ def learner(name, transport, **kwargs):
 def test_schedule_is_streaming_diloco():
     """Fragment p is due after step s when s ≡ (p H) // P (mod H), s >= 1: cj.diloco's offsets."""
     lrn = learner("a", InProcessTransport(["a"]), sync_every=6, fragments=4)
-    assert [lrn.due(s) for s in range(0, 8)] == [[], [1], [], [2], [3], [], [0], [1]]
+    assert [lrn.due(s) for s in range(8)] == [[], [1], [], [2], [3], [], [0], [1]]
 
 
 class HeldTransport(InProcessTransport):
@@ -130,8 +130,8 @@ def test_error_feedback_stays_on_the_learner():
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    (dict(sync_every=0), "sync_every"), (dict(fragments=0), "fragments"), (dict(alpha=1.5), "alpha"),
-    (dict(reply_timeout_s=0.0), "reply_timeout_s"), (dict(compressor="topk"), "compressor"),
+    ({"sync_every": 0}, "sync_every"), ({"fragments": 0}, "fragments"), ({"alpha": 1.5}, "alpha"),
+    ({"reply_timeout_s": 0.0}, "reply_timeout_s"), ({"compressor": "topk"}, "compressor"),
 ])
 def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -26,8 +26,8 @@ def message(syncer, name, p, base, tokens, seed, **changes):
     """A well-formed contribution to fragment ``p`` (random values), with header fields replaced by ``changes``."""
     rng = np.random.default_rng(seed)
     values = tuple(rng.normal(size=x.shape).astype(np.float32) for x in syncer.fragment_values(p))
-    fields = dict(learner=name, fragment=p, base_version=base, tokens=tokens, step=1,
-                  shapes=tuple(v.shape for v in values), dtypes=tuple(v.dtype.str for v in values), payload_bytes=0)
+    fields = {"learner": name, "fragment": p, "base_version": base, "tokens": tokens, "step": 1,
+                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0}
     fields.update(changes)
     return Contribution(Header(**fields), values)
 
@@ -127,7 +127,7 @@ def test_staleness_rule_discounts_then_refuses():
 
 def bad_cases():
     """name -> (how to build the bad contribution from a syncer, a word of the logged reason, header refused)."""
-    f64 = lambda v: tuple(x.astype(np.float64) for x in v)  # noqa: E731
+    f64 = lambda v: tuple(x.astype(np.float64) for x in v)
     return {
         "unknown learner": (lambda s: message(s, "intruder", 0, 1, 1.0, 1), "unknown learner", True),
         "fragment out of range": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment=2), "wrong fragment", True),
@@ -140,6 +140,8 @@ def bad_cases():
         "declared dtype": (lambda s: edit(s, lambda sh, dt: (sh, ("<f2",) + dt[1:])), "wrong shape or dtype", True),
         "tokens zero": (lambda s: message(s, "x", 0, 1, 0.0, 1), "tokens", True),
         "tokens nan": (lambda s: message(s, "x", 0, 1, float("nan"), 1), "tokens", True),
+        "base version not an integer": (lambda s: message(s, "x", 0, "1", 1.0, 1), "malformed header", True),
+        "shapes not a sequence": (lambda s: message(s, "x", 0, 1, 1.0, 1, shapes=7), "malformed header", True),
         "future version": (lambda s: message(s, "x", 0, 5, 1.0, 1), "does not exist", True),
         "stale": (lambda s: message(s, "x", 0, 0, 1.0, 1), "stale", True),
         "arrays' dtype differs from the header": (
@@ -189,6 +191,17 @@ def test_bad_contribution_is_refused_logged_and_changes_nothing(case, caplog):
     assert [r.learner for r in replies] == ["z", "y"]
 
 
+def test_a_failed_receive_is_a_refusal():
+    s = Syncer(init(), learners=NAMES)
+    old = snapshot(s)
+
+    def pull():
+        raise ConnectionError("peer went away")
+
+    (reply,) = s.handle(Incoming(message(s, "x", 0, 0, 1.0, seed=1).header, pull))
+    assert "peer went away" in reply.reason and snapshot(s) == old and s.versions() == [0]
+
+
 def test_a_second_contribution_to_one_round_is_refused():
     s = Syncer(init(), learners=NAMES)
     s.submit(message(s, "x", 0, 0, 1.0, seed=1))
@@ -201,11 +214,11 @@ def test_a_second_contribution_to_one_round_is_refused():
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    (dict(learners=[]), "learners"), (dict(learners=["a", "a"]), "learners"),
-    (dict(learners=NAMES, min_quorum=4), "min_quorum"), (dict(learners=NAMES, min_quorum=0), "min_quorum"),
-    (dict(learners=NAMES, grace_s=0.0), "grace_s"), (dict(learners=NAMES, max_staleness=-1), "max_staleness"),
-    (dict(learners=NAMES, staleness_decay=-0.1), "staleness_decay"), (dict(learners=NAMES, fragments=4), "fragments"),
-    (dict(learners=NAMES, outer="sgd"), "outer"),
+    ({"learners": []}, "learners"), ({"learners": ["a", "a"]}, "learners"),
+    ({"learners": NAMES, "min_quorum": 4}, "min_quorum"), ({"learners": NAMES, "min_quorum": 0}, "min_quorum"),
+    ({"learners": NAMES, "grace_s": 0.0}, "grace_s"), ({"learners": NAMES, "max_staleness": -1}, "max_staleness"),
+    ({"learners": NAMES, "staleness_decay": -0.1}, "staleness_decay"), ({"learners": NAMES, "fragments": 4}, "fragments"),
+    ({"learners": NAMES, "outer": "sgd"}, "outer"),
 ])
 def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -161,7 +161,7 @@ class Learner:
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
             raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
         if not callable(train_step):
-            raise ValueError(f"train_step must be a callable (params, inner_state, batch) -> ..., got {train_step!r}")
+            raise ValueError(f"train_step must be a callable (params, inner_state, batch) -> ..., got {train_step!r}")  # noqa: TRY004
         self.name = str(name)
         self.params = params
         self.inner_state = inner_state

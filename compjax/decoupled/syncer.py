@@ -232,38 +232,47 @@ class Syncer:
         is at most ``max_staleness``; the learner has not contributed to the open round already.
         """
         with self._lock:
-            if header.learner not in self._last_merged:
-                return f"unknown learner {header.learner!r} (known: {', '.join(self.learners)})"
-            p = header.fragment
-            if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
-                return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
-            want = self._global[p]
-            if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
-                return (f"wrong size: fragment {p} has {len(want)} arrays, the header declares "
-                        f"{len(header.shapes)} shapes and {len(header.dtypes)} dtypes")
-            limit = sum(x.size * x.dtype.itemsize for x in want)
             try:
-                declared = header.array_bytes()
-            except (ValueError, TypeError) as e:
-                return f"wrong shape or dtype: {e}"
-            if declared > limit:
-                return f"wrong size: {declared} bytes declared, fragment {p} holds {limit}"
-            for j, (shape, dtype, x) in enumerate(zip(header.shapes, header.dtypes, want)):
-                if tuple(shape) != x.shape or np.dtype(dtype) != x.dtype:
-                    return (f"wrong shape or dtype of array {j}: {tuple(shape)} {np.dtype(dtype)}, fragment {p} "
-                            f"has {x.shape} {x.dtype}")
-            if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
-                    and header.tokens > 0):
-                return f"tokens must be positive and finite, got {header.tokens!r}"
-            tau = self._version[p] - header.base_version
-            if header.base_version < 0 or tau < 0:
-                return f"base version {header.base_version} of fragment {p} does not exist (now {self._version[p]})"
-            if tau > self.max_staleness:
-                return f"stale: staleness {tau} > max_staleness {self.max_staleness}"
-            r = self._rounds[p]
-            if r is not None and header.learner in r.entries:
-                return f"learner {header.learner!r} already contributed to the open round of fragment {p}"
-            return ""
+                return self._admit(header)
+            except (TypeError, ValueError) as e:  # fields of the wrong types
+                return f"malformed header: {e}"
+
+    def _admit(self, header: Header) -> str:
+        if header.learner not in self._last_merged:
+            return f"unknown learner {header.learner!r} (known: {', '.join(self.learners)})"
+        p = header.fragment
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
+            return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
+        want = self._global[p]
+        if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
+            return (f"wrong size: fragment {p} has {len(want)} arrays, the header declares "
+                    f"{len(header.shapes)} shapes and {len(header.dtypes)} dtypes")
+        limit = sum(x.size * x.dtype.itemsize for x in want)
+        try:
+            declared = header.array_bytes()
+        except (ValueError, TypeError) as e:
+            return f"wrong shape or dtype: {e}"
+        if declared > limit:
+            return f"wrong size: {declared} bytes declared, fragment {p} holds {limit}"
+        for j, (shape, dtype, x) in enumerate(zip(header.shapes, header.dtypes, want)):
+            if tuple(shape) != x.shape or np.dtype(dtype) != x.dtype:
+                return (f"wrong shape or dtype of array {j}: {tuple(shape)} {np.dtype(dtype)}, fragment {p} "
+                        f"has {x.shape} {x.dtype}")
+        if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
+                and header.tokens > 0):
+            return f"tokens must be positive and finite, got {header.tokens!r}"
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   for v in (header.base_version, header.step, header.payload_bytes)):
+            return "malformed header: base_version, step and payload_bytes must be integers"
+        tau = self._version[p] - header.base_version
+        if header.base_version < 0 or tau < 0:
+            return f"base version {header.base_version} of fragment {p} does not exist (now {self._version[p]})"
+        if tau > self.max_staleness:
+            return f"stale: staleness {tau} > max_staleness {self.max_staleness}"
+        r = self._rounds[p]
+        if r is not None and header.learner in r.entries:
+            return f"learner {header.learner!r} already contributed to the open round of fragment {p}"
+        return ""
 
     def submit(self, contribution: Contribution, *, now: float | None = None) -> list[Reply]:
         """Take one contribution whose arrays are already in memory (see :meth:`handle`)."""
@@ -286,8 +295,12 @@ class Syncer:
         with self._lock:
             why = self.admit(h)
             if not why:
-                values = tuple(np.asarray(x) for x in incoming.pull())
-                why = self._check_values(h.fragment, values)
+                try:
+                    values = tuple(np.asarray(x) for x in incoming.pull())
+                except Exception as e:  # noqa: BLE001 - a failed receive refuses this contribution only
+                    why = f"could not receive the arrays: {type(e).__name__}: {e}"
+                else:
+                    why = self._check_values(h.fragment, values)
             if why:
                 return self._refuse(h, why)
             p = h.fragment
@@ -333,9 +346,10 @@ class Syncer:
     def _refuse(self, h: Header, why: str) -> list[Reply]:
         logger.warning("refused the contribution of learner %r to fragment %r: %s", h.learner, h.fragment, why)
         self.refused.append((h.learner, h.fragment, why))
-        if h.learner not in self._last_merged:
+        if not isinstance(h.learner, str) or h.learner not in self._last_merged:
             return []
-        ok = isinstance(h.fragment, (int, np.integer)) and 0 <= h.fragment < self.fragments
+        ok = (isinstance(h.fragment, (int, np.integer)) and not isinstance(h.fragment, bool)
+              and 0 <= h.fragment < self.fragments)
         stale = why.startswith("stale")  # the learner catches up from the current global values
         values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
         version = self._version[h.fragment] if ok else -1
