@@ -41,7 +41,8 @@ class LearnerStats:
     """What a learner measured.
 
     Attributes:
-      bytes_sent: per fragment, the bytes counted for its contributions (:func:`message_bytes`), summed.
+      bytes_sent: per fragment, the bytes counted for its contributions (:func:`message_bytes`), summed
+        (by the sender thread: complete once :meth:`Learner.finish` returned).
       sends: per fragment, the contributions sent.
       delays: per fragment, for each reply, the inner steps taken between the send and the reply's use.
       refusals: ``(fragment, reason)`` of every refusal the syncer answered.
@@ -237,18 +238,19 @@ class Learner:
         leaves = jax.tree.leaves(self.params)
         delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
         decoded, self._comm[p] = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
-        nbytes = message_bytes(self._comm[p])
-        header = Header(self.name, p, self._version[p], self._tokens[p], self.count,
-                        tuple(tuple(x.shape) for x in decoded), tuple(np.dtype(x.dtype).str for x in decoded), nbytes)
+        job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, decoded, self._comm[p])
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count
-        self.stats.bytes_sent[p] += nbytes
         self.stats.sends[p] += 1
-        self._sends = [f for f in self._sends if not f.done()] + [self._sender.submit(self._ship, header, decoded)]
+        self._sends = [f for f in self._sends if not f.done()] + [job]
 
-    def _ship(self, header: Header, decoded: list) -> None:
-        """On the sender thread: wait for the encoded arrays and hand them to the transport."""
+    def _ship(self, p: int, base_version: int, tokens: float, step: int, decoded: list, comm_state: Any) -> None:
+        """On the sender thread: wait for the encoded arrays, count their bytes, hand them to the transport."""
         values = tuple(np.asarray(x) for x in decoded)
+        nbytes = message_bytes(comm_state)
+        header = Header(self.name, p, base_version, tokens, step, tuple(v.shape for v in values),
+                        tuple(v.dtype.str for v in values), nbytes)
+        self.stats.bytes_sent[p] += nbytes  # written by this thread only
         self._transport.send(Contribution(header, values))
 
     # --- receiving ----------------------------------------------------------------------------------
