@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from compjax import collectives
 
-__all__ = ["average_leaves", "check_average", "fold_worker", "is_key", "nnx_average", "nnx_fold_rngs"]
+__all__ = ["average_leaves", "check_average", "fold_worker", "is_key", "mean_floats", "nnx_average", "nnx_fold_rngs"]
 
 
 def is_key(x: Any) -> bool:
@@ -92,7 +92,14 @@ def _path_names(path) -> set:
     return out
 
 
-def _mean_floats(leaves: Sequence[Any], axis_name: Hashable) -> list:
+def mean_floats(leaves: Sequence[Any], axis_name: Hashable) -> list:
+    """Mean over workers of each floating-point leaf of ``leaves`` (a list); other leaves as they are.
+
+    One bucketed dense all-reduce per dtype over ``axis_name`` (a name or a
+    tuple), not counted as compressor payload (the model's own state); each
+    mean keeps its leaf's dtype and shape; empty leaves pass through.  Call it
+    inside ``jax.shard_map`` (or another context binding ``axis_name``).
+    """
     idx = [i for i, x in enumerate(leaves)
            if jnp.issubdtype(jnp.result_type(x), jnp.floating) and jnp.size(x) > 0]
     out = list(leaves)
@@ -117,7 +124,7 @@ def average_leaves(tree: Any, names: Sequence[str], axis_name: Hashable) -> Any:
     sel = [i for i, (p, _) in enumerate(flat) if _path_names(p) & set(names)]
     leaves = [x for _, x in flat]
     if sel:
-        means = _mean_floats([leaves[i] for i in sel], axis_name)
+        means = mean_floats([leaves[i] for i in sel], axis_name)
         for i, m in zip(sel, means):
             leaves[i] = m
     return jax.tree.unflatten(treedef, leaves)
@@ -132,7 +139,7 @@ def nnx_average(nodes: Any, types: Sequence[type], axis_name: Hashable) -> None:
     state = nnx.state(nodes, nnx.Any(*types))
     leaves, treedef = jax.tree.flatten(state)
     if leaves:
-        nnx.update(nodes, jax.tree.unflatten(treedef, _mean_floats(leaves, axis_name)))
+        nnx.update(nodes, jax.tree.unflatten(treedef, mean_floats(leaves, axis_name)))
 
 
 def nnx_fold_rngs(nodes: Any, axis_name: Hashable) -> Any:

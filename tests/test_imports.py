@@ -4,6 +4,9 @@ The graph is read from the source with :mod:`ast` (nothing is imported): an edge
 ``import``/``from ... import`` in ``a`` that names module ``b`` of the same package, at module level or inside a
 function (a lazy import still ties the two modules together).  ``from pkg import name`` counts as importing
 ``pkg.name`` when that is a module, else ``pkg``.
+
+The same reading checks that no module of ``compjax`` uses another module's private (``_name``) helper:
+:func:`private_uses`.
 """
 
 from __future__ import annotations
@@ -94,3 +97,77 @@ def test_the_graph_sees_imports_inside_functions_and_cycles_are_reported():
     assert cycles(experiments) == ["experiments.train <-> experiments.trainer"]
     found = cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}})
     assert len(found) == 1 and set(found[0].split(" -> ")) == {"a", "b", "c"}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attribute accesses on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def private_uses(package: str = "compjax") -> list[str]:
+    """Every use of another module's private name in ``package``: ``from a import _x`` (``_x`` not a module of
+    the package) and ``a._x`` (``a`` a module of the package, bound by an import in the same file), as
+    ``"file:line: what"``.
+
+    A module whose own name starts with ``_`` (``compjax._checks``) may be imported; a name starting with ``_``
+    from it may not.  Dunder names (``__version__``) are public.
+    """
+    modules = _modules(package)
+    found = []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        is_package = path.name == "__init__.py"
+        bound: dict[str, str] = {}  # local name -> the module of the package it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        bound[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                for alias, target in zip(node.names, _imported(node, module, is_package, modules)):
+                    if not target.startswith(package):
+                        continue
+                    if target in modules and target.rsplit(".", 1)[-1] == alias.name:  # a module, by name
+                        bound[alias.asname or alias.name] = target
+                    elif private(alias.name) and target != module:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno}: from {target} import {alias.name}")
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and private(node.attr)):
+                continue
+            owner = _dotted(node.value)  # ``a`` bound by an import, or a full ``pkg.a`` after ``import pkg.a``
+            target = bound.get(owner) if owner in bound else owner if owner in modules else None
+            if target is not None and target != module:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {owner}.{node.attr} ({target})")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """House rule: a helper shared between modules is public in the module that defines it (with a docstring);
+    no module of compjax imports ``_name`` from another or reaches into ``other._name``."""
+    found = private_uses("compjax")
+    assert not found, "private names of another module used: " + "; ".join(found)
+
+
+def test_private_uses_sees_both_forms(tmp_path, monkeypatch):
+    """The check is not vacuous: on a small package written for it, both a ``from a import _x`` and a
+    ``a._x`` through ``from pkg import a`` are found, a module's own ``_x`` and a private module are not."""
+    pkg = tmp_path / "pkgx"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_priv.py").write_text("def helper():\n    return 1\n")
+    (pkg / "a.py").write_text("def _x():\n    return 1\n\n\ndef y():\n    return _x()\n")
+    (pkg / "b.py").write_text("import pkgx.a\nfrom pkgx import a, _priv\nfrom pkgx.a import _x\n"
+                              "from pkgx._priv import helper\n\n\n"
+                              "def z():\n    return a._x() + _x() + helper() + _priv.helper() + pkgx.a._x()\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    found = private_uses("pkgx")
+    assert sorted(f.split(": ", 1)[1] for f in found) == ["a._x (pkgx.a)", "from pkgx.a import _x",
+                                                          "pkgx.a._x (pkgx.a)"], found

@@ -1,0 +1,217 @@
+"""The one step core every data-parallel step builder shares: ``jax.jit`` of ``jax.shard_map`` over the worker layout.
+
+:func:`build_step` turns a function of one worker's values into the jitted
+step over the worker-stacked layout (:mod:`compjax.parallel.placement`).  Each
+positional argument of the step has a kind:
+
+* ``"s"``, worker-stacked: a tree with the leading worker axis; the body gets
+  this worker's slice ``x[0]``; donated with ``donate``;
+* ``"b"``, batch: split along its leading axis over the worker axes; the body
+  gets this worker's rows;
+* ``"k"``, keys: one PRNG key (or a tree of keys) for all workers, placed
+  whole on every device; the body gets ``jax.random.fold_in(key, i)`` with
+  ``i`` this worker's index over the worker axes (on a 2-D mesh, the slow
+  index and the shard index together: every device its own stream);
+* ``"c"``, static: a hashable value (a graph definition, a layout) given to
+  the body as it is; the step compiles once per value.
+
+Whatever the body returns comes back worker-stacked (``x[None]`` on each
+leaf), placed by ``out_specs`` through ``out_shardings``: the sharding the
+layout's own placement gives (``replicate``), so the second call hits the
+compilation cache and the outputs can be fed back.  :func:`keyed` checks and
+places a step's key; :func:`check_donatable` guards donation (XLA:CPU crashes
+on arrays donated twice rather than raising).
+
+The step builders on top: :func:`compjax.parallel.data_parallel_step` (pytrees,
+1-D and 2-D, whole or sharded parameters), :func:`compjax.parallel.worker_step`
+(a user's own single-device step) and
+:func:`compjax.parallel.nnx_data_parallel_step` (Flax NNX, through
+``worker_step`` on a 1-D mesh, on its own body on a 2-D one).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from compjax import collectives, workers
+from compjax.parallel.placement import put
+
+#: The kinds of a step's positional arguments (see the module docstring).
+KINDS = frozenset("sbkc")
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def build_step(
+    body: Callable[..., Any],
+    mesh: Mesh,
+    worker_axes: Any,
+    kinds: str | Sequence[str],
+    *,
+    in_specs: Sequence[Any] | None = None,
+    out_specs: Any = None,
+    donate: bool = False,
+) -> Any:
+    """``jax.jit(jax.shard_map(...))`` of ``body`` over the worker-stacked layout.
+
+    Args:
+      body: ``body(*args) -> outputs`` on one worker's values, the arguments in
+        the step's order (static ones as they are, stacked ones sliced, batches
+        local, keys folded); its outputs without the worker axis.
+      mesh: the mesh.
+      worker_axes: the mesh axis (a name) or axes (a tuple) the worker axis runs
+        over: batches are split over them, keys folded over them, and they are
+        the default spec ``P(worker_axes)`` of stacked arguments and outputs.
+      kinds: one letter per positional argument of the step, from ``"sbkc"``.
+      in_specs: one entry per argument: None (the default for its kind) or the
+        ``PartitionSpec`` (or a tree of them, a prefix of the argument) of a
+        stacked argument laid out otherwise (sharded parameters).
+      out_specs: a ``PartitionSpec`` or a tree of them, a prefix of the outputs
+        with their worker axis; default ``P(worker_axes)`` for every output.
+      donate: donate the stacked arguments' buffers.
+
+    Returns:
+      The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
+
+    Raises:
+      ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length than ``kinds``.
+    """
+    kinds = tuple(kinds)
+    if not set(kinds) <= KINDS:
+        raise ValueError(f"kinds must be letters of {sorted(KINDS)}, got {''.join(kinds)!r}")
+    in_specs = (None,) * len(kinds) if in_specs is None else tuple(in_specs)
+    if len(in_specs) != len(kinds):
+        raise ValueError(f"in_specs has {len(in_specs)} entries for {len(kinds)} arguments")
+    worker = P(worker_axes)
+    default = {"s": worker, "b": worker, "k": P()}
+    mapped_specs = tuple(default[k] if s is None else s for k, s in zip(kinds, in_specs) if k != "c")
+    out_specs = worker if out_specs is None else out_specs
+    static = tuple(i for i, k in enumerate(kinds) if k == "c")
+    donated = tuple(i for i, k in enumerate(kinds) if k == "s") if donate else ()
+
+    def local(kind: str, a: Any) -> Any:
+        if kind == "s":
+            return jax.tree.map(lambda x: x[0], a)
+        if kind == "k":
+            return jax.tree.map(lambda k: workers.fold_worker(k, worker_axes), a)
+        return a
+
+    def per_worker(consts: tuple, *mapped: Any) -> Any:
+        it_c, it_m = iter(consts), iter(mapped)
+        args = [next(it_c) if k == "c" else local(k, next(it_m)) for k in kinds]
+        return jax.tree.map(lambda x: x[None], body(*args))
+
+    def run(*args: Any) -> Any:
+        consts = tuple(a for a, k in zip(args, kinds) if k == "c")
+        mapped = tuple(a for a, k in zip(args, kinds) if k != "c")
+        sharded = jax.shard_map(functools.partial(per_worker, consts), mesh=mesh, in_specs=mapped_specs,
+                                out_specs=out_specs)
+        return sharded(*mapped)
+
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=_is_spec)
+    return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
+
+
+def place_key(key: Any, mesh: Mesh) -> Any:
+    """A step's key argument checked and placed whole on every device (``P()``).
+
+    Raises:
+      ValueError: ``key`` holds no PRNG key, or a leaf that is not one (typed or raw ``uint32[2]``).
+    """
+    if not jax.tree.leaves(key) or not all(workers.is_key(k) for k in jax.tree.leaves(key)):
+        raise ValueError(f"key must be a PRNG key (jax.random.key(seed) or a raw uint32[2] key), got {key!r}")
+    return put(key, NamedSharding(mesh, P()))
+
+
+def keyed(jitted: Callable, mesh: Mesh) -> Callable:
+    """``step(params, opt_state, batch, key)`` checking the key and placing it on every device (:func:`place_key`)."""
+    def step(params, opt_state, batch, key):
+        return jitted(params, opt_state, batch, place_key(key, mesh))
+
+    step.lower = lambda params, opt_state, batch, key: jitted.lower(params, opt_state, batch, place_key(key, mesh))
+    step.jitted = jitted
+    return step
+
+
+def per_tree(build: Callable[..., Callable]) -> tuple[Callable[..., Callable], Callable[[], int]]:
+    """A cache of steps built per argument structure: ``(get(key, *args), cache_size())``.
+
+    ``get(key, *args)`` returns ``build(*args)``, built once per hashable
+    ``key`` (a tree structure, shapes, dtypes, shardings); ``cache_size()``
+    sums the compilations of every step built, as ``jax.jit``'s ``_cache_size``.
+    """
+    cache: dict = {}
+
+    def get(key: Any, *args: Any) -> Callable:
+        if key not in cache:
+            cache[key] = build(*args)
+        return cache[key]
+
+    return get, lambda: sum(f._cache_size() for f in cache.values())
+
+
+def check_donatable(state: Any) -> None:
+    """Refuse arrays that cannot be donated (XLA:CPU over several devices crashes on them rather than raising).
+
+    Raises:
+      ValueError: a leaf of ``state`` already donated (deleted), or the same array twice.
+    """
+    leaves = jax.tree.leaves(state)
+    if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        raise ValueError(
+            "a Variable holds an array already donated to an earlier step: keep the model and optimizer the "
+            "step updated (not copies of their state taken before it), or build the step with donate=False"
+        )
+    if len({id(x) for x in leaves}) < len(leaves):
+        raise ValueError(
+            "two Variables hold the same array, which cannot be donated twice: give each its own copy "
+            "(nnx_replicate does) or build the step with donate=False"
+        )
+
+
+def check_flags(**flags: Any) -> None:
+    """Raise a ValueError naming the first flag (keyword) that is not True or False."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def gather_whole(leaves: Sequence, dims: Sequence, fast: str) -> list:
+    """Each leaf whole: a shard (``dims`` entry an int) all-gathered over ``fast`` inside the host, else as it is."""
+    return [x if d is None else collectives.gather_shards(x, fast, d) for x, d in zip(leaves, dims)]
+
+
+def host_mean(grads: Sequence, size: int) -> list:
+    """The host's mean gradient from the gradient with respect to the shards (or to whole leaves).
+
+    Through the all-gather (:func:`gather_whole`: its transpose is a
+    reduce-scatter) and through the implicit broadcast of a leaf held whole,
+    the gradient is the sum over the host's ``size`` devices: divided by it.
+    """
+    return [g / jnp.asarray(size, g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g for g in grads]
+
+
+def load_nnx():
+    """``flax.nnx``, imported on first use: the pure-pytree API does not need Flax."""
+    from flax import nnx
+
+    return nnx
+
+
+def is_graph_node(x: Any) -> bool:
+    """True for a Flax NNX object (a graph node: ``nnx.Module``, ``nnx.Optimizer``, ...)."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    return nnx.graph.is_graph_node(x)

@@ -1,0 +1,95 @@
+"""Meshes for the data-parallel steps: a 1-D worker mesh, a ``slow x fast`` two-level mesh, and the worker axes.
+
+:func:`make_mesh` lays every device on one worker axis (``"data"``);
+:func:`make_2d_mesh` lays them out as hosts (the slow axis, between which
+compressors send) by devices inside each host (the fast axis).
+:func:`worker_axes` says which mesh axes the leading worker axis of the
+layout (:mod:`compjax.parallel.placement`) runs over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+
+def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
+    """A 1-D mesh of ``num_workers`` devices (default: all) with axis ``axis_name``.
+
+    The axis is of type ``Auto``: arrays the data-parallel steps return (worker-stacked,
+    sharded over the axis) can be indexed and reduced on the host (``loss[0]``,
+    ``metrics.compute()``), which JAX's default ``Explicit`` axes refuse without an
+    ``out_sharding``.
+
+    Raises:
+      ValueError: ``num_workers`` < 1 or more than the available devices.
+    """
+    n_dev = len(jax.devices())
+    n = n_dev if num_workers is None else int(num_workers)
+    if not 1 <= n <= n_dev:
+        raise ValueError(f"num_workers must be in [1, {n_dev}] (the available devices), got {num_workers}")
+    # Auto axes (not JAX's default Explicit): the worker-stacked arrays a step returns then read on the host
+    # like any array (``loss[0]``, ``int(state.step[0])``, flax metrics' reset), with no out_sharding needed.
+    return jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+
+
+def make_2d_mesh(slow: int, fast: int, *, slow_axis: str = "data", fast_axis: str = "fast") -> Mesh:
+    """A ``slow x fast`` mesh: a slow axis between hosts, a fast axis inside each host.
+
+    Devices are taken in (process, device id) order and laid out row-major, so
+    each row (the ``fast`` devices that share a ``slow`` index) lies inside one
+    process whenever ``fast`` divides the devices of a process: the fast axis
+    then stays on the host's own interconnect (NVLink, ICI) and only the slow
+    axis crosses the network.
+
+    Args:
+      slow: size of the slow axis (hosts or slices), >= 1.
+      fast: size of the fast axis (devices per host), >= 1.
+      slow_axis: name of the slow axis; compressors take it as ``axis_name``.
+      fast_axis: name of the fast axis.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axes ``(slow_axis, fast_axis)`` over the
+      first ``slow * fast`` devices.
+
+    Raises:
+      ValueError: a size < 1, ``slow * fast`` more than the available devices,
+        equal axis names, or a fast row that would straddle two processes.
+
+    Examples:
+      >>> from compjax import parallel
+      >>> mesh = parallel.make_2d_mesh(2, 4)     # 8 devices: 2 "hosts" of 4
+      >>> dict(mesh.shape)
+      {'data': 2, 'fast': 4}
+    """
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    for name, v in (("slow", slow), ("fast", fast)):
+        if int(v) < 1:
+            raise ValueError(f"{name} must be >= 1 (devices along the {name} axis), got {v}")
+    if slow * fast > len(devices):
+        raise ValueError(f"slow x fast = {slow} x {fast} = {slow * fast} devices, but only {len(devices)} are "
+                         "available")
+    if slow_axis == fast_axis:
+        raise ValueError(f"slow_axis and fast_axis must differ, both are {slow_axis!r}")
+    grid = np.array(devices[: slow * fast], dtype=object).reshape(slow, fast)
+    for row in grid:
+        if len({d.process_index for d in row}) > 1:
+            raise ValueError(f"fast = {fast} devices per row straddles processes (each process has "
+                             f"{jax.local_device_count()} devices): choose a fast size that divides it")
+    return Mesh(grid, (slow_axis, fast_axis))
+
+
+def worker_axes(mesh: Mesh, axis_name: str, fast_axis: str | None) -> tuple[int, Any]:
+    """``(n, spec entry)``: the number of workers and the mesh axes the worker axis is sharded over."""
+    if fast_axis is None:
+        return mesh.shape[axis_name], axis_name
+    return mesh.shape[axis_name] * mesh.shape[fast_axis], (axis_name, fast_axis)
+
+
+def check_axis(mesh: Mesh, axis_name: str) -> None:
+    """Raise a ValueError unless ``axis_name`` is an axis of ``mesh`` (the message names the mesh's axes)."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")

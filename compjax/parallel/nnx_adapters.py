@@ -1,0 +1,374 @@
+"""Flax NNX on the worker-stacked layout: Variables stacked in place, and the NNX train step.
+
+:func:`nnx_replicate` gives every Variable of NNX objects the worker axis (or
+its sharded form with ``specs=``), :func:`nnx_unreplicate` takes one worker's
+copy back as a regular object, and :func:`nnx_data_parallel_step` builds the
+step for a model and an ``nnx.Optimizer``: on a 1-D mesh it is
+:func:`compjax.parallel.worker_step` over the usual NNX step; on a 2-D mesh
+(``fast_axis=``) its own body, on parameters whole or sharded over the fast
+axis, through the same step core (:func:`compjax.parallel.core.build_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from compjax import layout, workers
+from compjax.parallel.core import (
+    build_step,
+    check_donatable,
+    check_flags,
+    gather_whole,
+    host_mean,
+    load_nnx,
+    per_tree,
+)
+from compjax.parallel.mesh import check_axis
+from compjax.parallel.placement import checked_leaf_specs, shard_batch, stack_copies, state_specs
+from compjax.parallel.userstep import worker_step
+
+
+def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data", specs: Any = None) -> None:
+    """Give every Variable of the NNX objects ``nodes`` the worker axis, in place.
+
+    Each Variable's value ``x`` (any shape and dtype) becomes ``n`` stacked
+    copies, shape ``(n, *x.shape)``, sharded ``P(axis_name)``: every worker
+    starts equal.  Each leaf gets buffers of its own, so the state can be
+    donated (``nnx_data_parallel_step(..., donate=True)``).  Variables shared
+    between the nodes are stacked once.
+
+    Build the optimizer *before* replicating: ``nnx.Optimizer`` must see one
+    worker's parameter shapes (compressor state such as top-k's ``k`` depends
+    on them), then replicate model and optimizer together.
+
+    Args:
+      mesh: the mesh; ``n = mesh.shape[axis_name]``.
+      *nodes: NNX objects (``nnx.Module``, ``nnx.Optimizer``, ...) holding one
+        worker's values.
+      axis_name: the data axis (the slow axis of a 2-D mesh).
+      specs: sharded parameters (FSDP): a tree like ``nnx.state(nodes[0])``
+        (the model) of ``PartitionSpec`` over one fast mesh axis, e.g.
+        ``parallel.fsdp_specs(nnx.state(model), mesh)`` or, to honour
+        ``nnx.with_partitioning`` annotations,
+        ``nnx.get_partition_spec(nnx.state(model))``.  Each model Variable
+        ``x`` is placed ``P(axis_name, *spec)``; the state of every
+        ``nnx.Optimizer`` among ``nodes`` shaped like the parameters is sharded
+        like them (:func:`state_specs`); the rest (counters, keys, small
+        leaves) is held whole by every fast device.  Train with
+        :func:`nnx_data_parallel_step` and its ``fast_axis``.
+
+    Raises:
+      ValueError: a Variable is already sharded over ``axis_name`` of ``mesh``
+        (replicated twice, or an optimizer built from a replicated model), or
+        bad ``specs`` (named by leaf, as :func:`replicate` says); nothing is
+        changed then.
+
+    Examples:
+      >>> import optax, compjax as cj
+      >>> from flax import nnx
+      >>> from compjax import parallel
+      >>> mesh, model = parallel.make_mesh(), nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.chain(cj.topk(0.5, axis_name="data"), optax.sgd(0.1)),
+      ...                           wrt=nnx.Param)
+      >>> parallel.nnx_replicate(mesh, model, optimizer)
+      >>> model.kernel.shape   # (workers, in, out)
+      (8, 3, 2)
+    """
+    nnx = load_nnx()
+    state = nnx.state(nodes)  # one State for all nodes: shared Variables appear once
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh == mesh and s.spec and s.spec[0] == axis_name:
+            raise ValueError(
+                f"{jax.tree_util.keystr(path)} is already sharded {s.spec} over {axis_name!r}: replicate once, "
+                "after building the optimizer on one worker's model"
+            )
+
+    if specs is None:
+        nnx.update(nodes, jax.tree.map(lambda x: stack_copies(x, mesh, axis_name), state))
+        return
+    leaf_specs = _nnx_leaf_specs(nodes, specs, mesh, axis_name)
+    leaves, treedef = jax.tree.flatten(state)
+    nnx.update(nodes, jax.tree.unflatten(treedef, [stack_copies(x, mesh, axis_name, None, spec)
+                                                   for x, spec in zip(leaves, leaf_specs)]))
+
+
+def _nnx_leaf_specs(nodes: Sequence, specs: Any, mesh: Mesh, axis_name: str) -> list:
+    """One ``PartitionSpec`` (or None: whole) per array leaf of ``nnx.state(nodes)``, from the model's ``specs``.
+
+    The model (``nodes[0]``) takes ``specs``; an ``nnx.Optimizer``'s state
+    takes :func:`state_specs` of its ``tx`` over the model's ``wrt``
+    parameters; every other Variable is whole.  Variables are matched by
+    identity, so one shared between nodes gets one spec.
+    """
+    nnx = load_nnx()
+
+    def is_var(x):
+        return isinstance(x, nnx.Variable)
+
+    model = nodes[0]
+    mstate = nnx.state(model)
+    by_id = {id(v): s for v, s in zip(jax.tree.leaves(mstate, is_leaf=is_var),
+                                      checked_leaf_specs(mstate, specs, mesh, axis_name))}
+    for node in nodes[1:]:
+        if not isinstance(node, nnx.Optimizer):
+            continue
+        params = nnx.state(model, node.wrt)
+        pvars = jax.tree.leaves(params, is_leaf=is_var)
+        pure = nnx.as_pure(params)
+        pspecs = jax.tree.unflatten(jax.tree.structure(pure), [by_id.get(id(v)) for v in pvars])
+        ospecs = jax.tree.leaves(state_specs(node.tx, pure, pspecs, mesh), is_leaf=lambda x: isinstance(x, P))
+        ovars = jax.tree.leaves(node.opt_state, is_leaf=is_var)
+        if len(ovars) != len(ospecs):  # pragma: no cover - nnx.Optimizer keeps tx.init's structure
+            raise ValueError(f"the optimizer's state has {len(ovars)} leaves, its tx.init {len(ospecs)}: "
+                             "build nnx.Optimizer(model, tx, wrt=...) from this model")
+        by_id.update({id(v): s for v, s in zip(ovars, ospecs)})
+    return [by_id.get(id(v)) for v in jax.tree.leaves(nnx.state(nodes), is_leaf=is_var)]
+
+
+def nnx_unreplicate(node: Any) -> Any:
+    """A regular (unstacked) copy of worker 0's ``node``, for evaluation or checkpointing.
+
+    Args:
+      node: an NNX object (or a tuple of them, which keeps references they
+        share) replicated with :func:`nnx_replicate`.
+
+    Returns:
+      A new object of the same type whose Variables hold worker 0's values
+      (shape without the worker axis, same dtype) as JAX arrays on worker 0's
+      device, in buffers of their own; ``node`` is not changed.
+
+    Examples:
+      >>> from flax import nnx
+      >>> from compjax import parallel
+      >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+      >>> parallel.nnx_replicate(parallel.make_mesh(), model)
+      >>> parallel.nnx_unreplicate(model).kernel.shape
+      (3, 2)
+    """
+    nnx = load_nnx()
+    graphdef, state = nnx.split(node)
+
+    def first(x):
+        return x.addressable_shards[0].data[0] if hasattr(x, "addressable_shards") else jnp.asarray(x)[0]
+
+    return nnx.merge(graphdef, jax.tree.map(first, state))
+
+
+def nnx_data_parallel_step(
+    loss_fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    fast_axis: str | None = None,
+    has_aux: bool = False,
+    worker_rngs: bool = True,
+    donate: bool = False,
+) -> Callable[[Any, Any, Any], Any]:
+    """Build a data-parallel train step for an NNX model and ``nnx.Optimizer``.
+
+    On each worker's slice, under ``jax.shard_map`` and ``jax.jit`` (compiled
+    once per graph structure and input shapes)::
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model, local_batch)  # w.r.t. optimizer.wrt
+        optimizer.update(model, grads)   # the compressor in optimizer.tx averages over axis_name
+
+    then the new worker-stacked state is written back into ``model`` and
+    ``optimizer`` (``nnx.update``).  As in :func:`data_parallel_step`,
+    gradients are local and the compiled step carries only the compressor's
+    collectives.  Variables other than the optimized ones (batch statistics,
+    RNG counters) are updated per worker from the local batch.  With
+    ``worker_rngs`` each worker draws from its own streams (the worker index
+    folded into the model's ``RngKey`` s, :func:`worker_step`): dropout masks
+    differ across workers and repeat from the same seed.  A step of one's own
+    (metrics, several models) is :func:`worker_step` over it.
+
+    Args:
+      loss_fn: ``(model, batch) -> scalar loss`` for one worker's batch, or
+        ``-> (loss, aux)`` with ``has_aux``; it may update the model's
+        non-optimized Variables.  An ``nnx.Rngs`` it uses must belong to the
+        model (a closed-over one cannot be updated inside the step).
+      mesh: mesh with axis ``axis_name`` (n workers).
+      axis_name: the data axis; the compressor in the optimizer's ``tx`` must
+        use the same name.
+      fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None.
+        Then model and optimizer come from :func:`nnx_replicate` over
+        ``axis_name`` (the slow axis), with or without ``specs=``: each step
+        all-gathers sharded parameters over the fast axis for ``loss_fn``
+        (inside the host), each fast device takes its own slice of the batch,
+        the gradient is the host's mean (a reduce-scatter for sharded
+        parameters, an all-reduce for whole ones), and the optimizer updates
+        each device's shard; its compressor sees whole layers, as in
+        :func:`data_parallel_step` with ``specs``.  Non-optimized floating
+        Variables (batch statistics) are averaged over the fast axis and must
+        be held whole.
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
+      worker_rngs: fold the worker index into the model's RNG streams for the
+        step (False: every worker draws the same numbers).
+      donate: donate the model's and optimizer's buffers to the step (the
+        arrays held before the call are deleted; the objects get the new ones).
+
+    Returns:
+      ``train_step(model, optimizer, batch) -> loss`` (``-> (loss, aux)`` with
+      ``has_aux``): model and optimizer replicated with :func:`nnx_replicate`
+      (updated in place), batch a pytree of arrays split along their leading
+      axis (put on the mesh with :func:`shard_batch` unless already there),
+      loss a float array of shape ``(n,)`` (each worker's local loss) and aux
+      each worker's, stacked.  ``train_step.lower(model, optimizer, batch)``
+      lowers the underlying jitted function (so
+      :func:`compjax.audit_collectives` accepts ``train_step``), and
+      ``train_step.jitted`` is that function.
+
+    Raises:
+      ValueError: when built, ``axis_name`` not an axis of ``mesh`` or a flag not a bool; at call
+        time, a batch leading dimension not divisible by n, a closed-over NNX
+        object the loss updates, or (with ``donate``) a Variable holding an
+        array already donated or the same array as another Variable.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, compjax as cj
+      >>> from flax import nnx
+      >>> from compjax import parallel
+      >>> mesh, model = parallel.make_mesh(), nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.chain(cj.identity("data"), optax.sgd(0.1)), wrt=nnx.Param)
+      >>> parallel.nnx_replicate(mesh, model, optimizer)
+      >>> train_step = parallel.nnx_data_parallel_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh)
+      >>> batch = parallel.shard_batch((jnp.ones((16, 4)), jnp.zeros((16, 2))), mesh)
+      >>> loss = jax.block_until_ready(train_step(model, optimizer, batch))   # one step in flight (CPU)
+      >>> loss.shape, int(cj.payload_bytes(optimizer)[0])   # 10 parameters in float32 + the 4-byte vote
+      ((8,), 44)
+      >>> [op.op for op in cj.audit_collectives(train_step, model, optimizer, batch)]
+      ['all-reduce', 'all-reduce']
+    """
+    check_axis(mesh, axis_name)
+    check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate)
+    if fast_axis is not None:
+        check_axis(mesh, fast_axis)
+        if fast_axis == axis_name:
+            raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
+        return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate)
+
+    def single(model, optimizer, batch):
+        grad_fn = load_nnx().value_and_grad(loss_fn, argnums=load_nnx().DiffState(0, optimizer.wrt), has_aux=has_aux)
+        out, grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        return out
+
+    return worker_step(single, mesh, axis_name=axis_name, worker_rngs=worker_rngs, donate=donate)
+
+
+def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate) -> Callable[..., Any]:
+    """:func:`nnx_data_parallel_step` on a 2-D mesh, parameters whole or sharded over ``fast_axis``.
+
+    The layout is read from the arrays (:func:`nnx_replicate` placed them): a
+    model parameter whose sharding names ``fast_axis`` after the worker axis
+    is a shard along that dimension.  Compiled once per graph structure,
+    shapes and shardings.
+    """
+    nnx = load_nnx()
+    size = mesh.shape[fast_axis]
+    devices = (axis_name, fast_axis)
+
+    def specs_dims(leaves, paths, what):
+        specs, dims = [], []
+        for x, path in zip(leaves, paths):
+            s = getattr(x, "sharding", None)
+            spec = tuple(s.spec) if isinstance(s, NamedSharding) and s.mesh == mesh else ()
+            if not spec or spec[0] != axis_name:
+                raise ValueError(f"{what}{jax.tree_util.keystr(path)} is not in the worker-stacked layout over "
+                                 f"{axis_name!r} of this mesh: replicate model and optimizer together with "
+                                 f"parallel.nnx_replicate(mesh, model, optimizer, axis_name={axis_name!r}[, specs=...])")
+            own = [d for d, e in enumerate(spec[1:]) if e is not None]
+            if own and spec[1 + own[0]] not in (fast_axis, (fast_axis,)):
+                raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over another axis "
+                                 f"than fast_axis={fast_axis!r}")
+            specs.append(P(*spec))
+            dims.append(own[0] if own else None)
+        return specs, dims
+
+    def build(mdef, odef, wrt, trees, arrays):
+        (ptree, rtree, otree), (pl, rl, ol) = trees, arrays
+        paths = [[p for p, _ in jax.tree_util.tree_leaves_with_path(jax.tree.unflatten(t, a))]
+                 for t, a in zip(trees, arrays)]
+        pspecs, pdims = specs_dims(pl, paths[0], "model")
+        rspecs, rdims = specs_dims(rl, paths[1], "model")
+        ospecs, _ = specs_dims(ol, paths[2], "optimizer")
+        for path, d in zip(paths[1], rdims):
+            if d is not None:
+                raise ValueError(f"model{jax.tree_util.keystr(path)} is sharded but not optimized (wrt): only the "
+                                 "optimized parameters may be sharded; give its spec as None (whole)")
+
+        def body(pl, rl, ol, batch):  # this device's leaves (build_step slices them)
+            optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
+
+            def loss_of(shards):  # a model of this trace's own Variables (NNX refuses updates across traces)
+                whole = jax.tree.unflatten(ptree, gather_whole(shards, pdims, fast_axis))
+                model = nnx.merge(mdef, whole, jax.tree.unflatten(rtree, rl))
+                saved = workers.nnx_fold_rngs(model, devices) if worker_rngs else None
+                out = loss_fn(model, batch)
+                if saved is not None:
+                    nnx.update(model, saved)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, jax.tree.leaves(nnx.split(model, wrt, ...)[2]))
+
+            (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(pl)
+            grads = host_mean(grads, size)
+            params = nnx.as_pure(jax.tree.unflatten(ptree, pl))
+            pure = jax.tree.structure(params)
+            grads = jax.tree.unflatten(pure, grads)
+            with layout.fast_layout(fast_axis, grads, pdims):
+                updates, new_opt = optimizer.tx.update(grads, nnx.as_pure(optimizer.opt_state), params)
+            params = optax.apply_updates(params, updates)
+            nnx.update(optimizer.opt_state, nnx.state(new_opt))
+            optimizer.step[...] += 1
+            floats = [i for i, x in enumerate(new_rest) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+            means = workers.mean_floats([new_rest[i] for i in floats], fast_axis) if floats else []
+            for i, m in zip(floats, means):  # batch statistics: the host's mean, held by each of its devices
+                new_rest[i] = m
+            outs = (jax.tree.leaves(params), new_rest, jax.tree.leaves(nnx.split(optimizer)[1]), loss)
+            return outs + ((aux,) if has_aux else ())
+
+        out_specs = (pspecs, rspecs, ospecs, P(devices)) + ((P(devices),) if has_aux else ())
+        return build_step(body, mesh, devices, "sssb", in_specs=(pspecs, rspecs, ospecs, None), out_specs=out_specs,
+                          donate=donate)
+
+    get, cache_size = per_tree(build)
+
+    def prepare(model, optimizer, batch):
+        if not isinstance(optimizer, nnx.Optimizer):
+            raise ValueError(f"optimizer must be an nnx.Optimizer built on the model, got {type(optimizer).__name__}")
+        mdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+        odef, ostate = nnx.split(optimizer)
+        flat = [jax.tree.flatten(t) for t in (params, rest, ostate)]
+        trees, arrays = tuple(t for _, t in flat), tuple(a for a, _ in flat)
+        if donate:
+            check_donatable(arrays)
+        key = (mdef, odef, trees, tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                                        for x in jax.tree.leaves(arrays)))
+        jitted = get(key, mdef, odef, optimizer.wrt, trees, arrays)
+        if not all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in jax.tree.leaves(batch)):
+            batch = shard_batch(batch, mesh, axis_name, fast_axis=fast_axis)
+        return jitted, trees, arrays + (batch,)
+
+    def train_step(model, optimizer, batch):
+        jitted, (ptree, rtree, otree), args = prepare(model, optimizer, batch)
+        pl, rl, ol, loss, *aux = jitted(*args)
+        nnx.update(model, jax.tree.unflatten(ptree, pl), jax.tree.unflatten(rtree, rl))
+        nnx.update(optimizer, jax.tree.unflatten(otree, ol))
+        return (loss, aux[0]) if has_aux else loss
+
+    def lower(model, optimizer, batch):
+        jitted, _, args = prepare(model, optimizer, batch)
+        return jitted.lower(*args)
+
+    train_step.lower = lower
+    train_step._cache_size = cache_size
+    return train_step

@@ -1,0 +1,194 @@
+"""The pytree step builder: :func:`data_parallel_step` for ``loss_fn(params, batch)`` and an optax ``tx``.
+
+Three layouts, one step core (:func:`compjax.parallel.core.build_step`): a 1-D
+worker mesh; a 2-D mesh with every device a worker (``fast_axis=``, gradients
+averaged densely over the fast axis before the compressor); and sharded
+parameters (``specs=``, FSDP: gathered over the fast axis for the forward
+pass, the gradient reduce-scattered, the compressors on shards that see whole
+layers through :mod:`compjax.layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from compjax import collectives, layout
+from compjax.parallel.core import build_step, check_flags, gather_whole, host_mean, keyed, per_tree
+from compjax.parallel.mesh import check_axis, worker_axes
+from compjax.parallel.placement import checked_leaf_specs, shard_dims, stacked_spec, state_specs
+
+
+def data_parallel_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    fast_axis: str | None = None,
+    specs: Any = None,
+    has_aux: bool = False,
+    rng: bool = False,
+    donate: bool = False,
+) -> Callable[..., tuple]:
+    """Build a jitted data-parallel train step under ``jax.shard_map``.
+
+    Each worker computes ``loss_fn(params, local_batch)`` and its gradient with
+    respect to its own copy of the parameters, passes the local gradients to
+    ``tx`` (whose compressor averages them over ``axis_name``) and applies the
+    updates.
+
+    On a 2-D mesh (``fast_axis`` given, :func:`make_2d_mesh`), the local
+    gradients are first averaged densely over the fast axis (one bucketed
+    float all-reduce inside each host, ``collectives.dense_mean_arrays``), and
+    ``tx`` sees that host-level mean: its compressor, built with ``axis_name``
+    (the slow axis), compresses only what crosses between hosts.  The workers of
+    one fast row then hold the same gradients, compressor states and
+    parameters.  With equal local batches this equals a 1-D run over the slow
+    axis alone whose workers each take their row's whole batch.  Each fast
+    device sends ``1/fast`` of its host's compressed payload over the slow
+    axis (:mod:`compjax.collectives`), so the slow link carries it once per host.
+
+    With ``specs`` (sharded parameters, FSDP), parameters and state are laid
+    out by :func:`replicate` / :func:`init_worker_state` with the same
+    ``specs``: the worker axis runs over ``axis_name`` only and each device
+    holds a shard.  Each step all-gathers the parameters over the fast axis for
+    ``loss_fn`` (inside the host), takes the gradient with respect to the
+    shards (a reduce-scatter: the fast-axis sum, divided by its size: the
+    host's mean gradient, as in the replicated layout), and ``tx`` updates each
+    device's shard; its compressors see whole layers (:mod:`compjax.layout`),
+    so the numbers equal the replicated 2-D layout's.
+
+    A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
+    is :func:`worker_step` over it.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar loss`` for one worker's batch;
+        ``-> (loss, aux)`` with ``has_aux``; ``(params, batch, key)`` with ``rng``.
+      tx: an optax transformation whose compressor uses ``axis_name``.
+      mesh: mesh with axis ``axis_name`` (n workers), or a 2-D mesh.
+      axis_name: the data axis (the slow axis of a 2-D mesh).
+      fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
+        mesh (with ``specs``: the axis they name).
+      specs: None, or a tree like the parameters (without the worker axis) of
+        ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
+        worker's ``aux`` too (e.g. logits or an accuracy).
+      rng: the step takes a PRNG key (typed or raw, one for all workers) and
+        passes ``loss_fn`` this worker's ``jax.random.fold_in(key, i)``
+        (``i`` the worker index over all worker axes): different draws on
+        every worker, the same on every run.
+      donate: donate the params and state buffers to the step.
+
+    Returns:
+      ``step(params, opt_state, batch[, key]) -> (params, opt_state, loss[, aux])``;
+      params and opt_state worker-stacked (:func:`replicate`,
+      :func:`init_worker_state`), batch sharded along its leading axis
+      (:func:`shard_batch`), loss of shape ``(n,)`` (each worker's local loss;
+      ``n = slow x fast`` on a 2-D mesh), aux each worker's with a leading
+      axis of n.
+
+    Raises:
+      ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``,
+        or a flag (``has_aux``, ``rng``, ``donate``) not a bool; at the first
+        call, ``specs`` that do not fit the parameters (named by leaf).
+    """
+    check_axis(mesh, axis_name)
+    check_flags(has_aux=has_aux, rng=rng, donate=donate)
+    if fast_axis is not None:
+        check_axis(mesh, fast_axis)
+    if specs is not None:
+        return _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate)
+    axes = worker_axes(mesh, axis_name, fast_axis)[1]
+
+    def body(params, opt_state, batch, *key):  # one worker's values, its key folded (build_step)
+        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch, *key)
+        loss, aux = out if has_aux else (out, None)
+        if fast_axis is not None:
+            grads = _fast_mean(grads, fast_axis)
+            with layout.fast_layout(fast_axis):  # one host's devices share the slow-axis payload
+                updates, opt_state = tx.update(grads, opt_state, params)
+        else:
+            updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state, loss) + ((aux,) if has_aux else ())
+
+    # Every output placed P(axes), as replicate() and shard_batch() place: the second call hits the cache.
+    jitted = build_step(body, mesh, axes, "ssbk" if rng else "ssb", donate=donate)
+    return keyed(jitted, mesh) if rng else jitted
+
+
+def _logical(tree: Any) -> Any:
+    """Shapes and dtypes of a worker-stacked tree without its worker axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)), tree)
+
+
+def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate) -> Callable[..., tuple]:
+    """:func:`data_parallel_step` over parameters sharded by ``specs`` (built at the first call, per tree)."""
+    def build(params, opt_state):
+        logical = _logical(params)
+        leaf_specs = checked_leaf_specs(logical, specs, mesh, axis_name)
+        dims, named = shard_dims(leaf_specs)
+        fast = fast_axis or named
+        if fast is None:
+            raise ValueError("specs shard no leaf: pass fast_axis= (or drop specs= for the replicated 2-D layout)")
+        if named is not None and named != fast:
+            raise ValueError(f"specs shard over {named!r} but fast_axis={fast!r}")
+        treedef = jax.tree.structure(logical)
+        pspecs = jax.tree.unflatten(treedef, [stacked_spec(axis_name, s) for s in leaf_specs])
+        sspecs = jax.tree.map(lambda s: stacked_spec(axis_name, s),
+                              state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
+                              is_leaf=lambda x: isinstance(x, P))
+        per_device = P((axis_name, fast))
+        size = mesh.shape[fast]
+
+        def whole(ps):  # the forward pass's parameters, gathered inside the host
+            return jax.tree.unflatten(treedef, gather_whole(jax.tree.leaves(ps), dims, fast))
+
+        def body(params, opt_state, batch, *key):  # this device's shards, its key folded over both axes
+            out, grads = jax.value_and_grad(lambda ps, *a: loss_fn(whole(ps), *a), has_aux=has_aux)(params, batch,
+                                                                                                     *key)
+            loss, aux = out if has_aux else (out, None)
+            grads = jax.tree.unflatten(treedef, host_mean(jax.tree.leaves(grads), size))
+            with layout.fast_layout(fast, grads, dims):
+                updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return (params, opt_state, loss) + ((aux,) if has_aux else ())
+
+        out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
+        return build_step(body, mesh, (axis_name, fast), "ssbk" if rng else "ssb",
+                          in_specs=(pspecs, sspecs, None, None)[: 4 if rng else 3], out_specs=out_specs, donate=donate)
+
+    get, cache_size = per_tree(build)
+
+    def step_for(params, opt_state):
+        key = (jax.tree.structure((params, opt_state)),
+               tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves((params, opt_state))))
+        return get(key, params, opt_state)
+
+    def jitted(params, opt_state, batch, *key):
+        return step_for(params, opt_state)(params, opt_state, batch, *key)
+
+    jitted.lower = lambda params, opt_state, batch, *key: step_for(params, opt_state).lower(params, opt_state, batch,
+                                                                                           *key)
+    jitted._cache_size = cache_size  # compilations, as jax.jit's
+    return keyed(jitted, mesh) if rng else jitted
+
+
+def _fast_mean(grads: Any, fast_axis: str) -> Any:
+    """Dense mean of the floating-point gradient leaves over ``fast_axis`` (one all-reduce per dtype)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    idx = [i for i, g in enumerate(leaves)
+           if jnp.issubdtype(jnp.result_type(g), jnp.floating) and jnp.size(g) > 0]
+    with collectives.uncounted():  # the host's own dense mean: no compressor's payload
+        means, _ = collectives.dense_mean_arrays([leaves[i] for i in idx], fast_axis)
+    for i, m in zip(idx, means):
+        leaves[i] = m
+    return jax.tree.unflatten(treedef, leaves)
