@@ -1,5 +1,7 @@
 """Bring your own step: parallel.worker_step, has_aux / rng in the step builders, and loud axis mistakes."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +59,8 @@ def test_worker_step_runs_a_user_step_as_synchronous_sgd(mesh):
 
 
 def test_rng_argnums_give_each_worker_fold_in_of_the_key(mesh):
-    draw = parallel.worker_step(lambda key, batch: jax.random.uniform(key, (3,)), mesh, rng_argnums=0)
+    draw = parallel.worker_step(lambda key, batch: jax.random.uniform(key, (3,)), mesh, rng_argnums=0,
+                                independent=True)  # a draw per worker: nothing to average
     key = jax.random.key(7)
     got = np.asarray(draw(key, jnp.zeros((N, 1))))
     want = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(key, i), (3,))) for i in range(N)])
@@ -197,8 +200,8 @@ def test_worker_step_bad_input(mesh):
         parallel.worker_step(lambda s, k, b: s, mesh, rng_argnums=1)(state, 3.0, jnp.zeros((N,)))
     with pytest.raises(ValueError, match=r"argument 0 has shape \(2,\), not the worker-stacked layout"):
         parallel.worker_step(f, mesh)(jnp.zeros(2), jnp.zeros((N,)))
-    with pytest.raises(ValueError, match="is an NNX object"):
-        parallel.worker_step(f, mesh)(state, nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"is an NNX object, but batch_argnums lists it.*batch_argnums=0"):
+        parallel.worker_step(f, mesh, batch_argnums=-1)(state, nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="worker_rngs must be True or False"):
         parallel.worker_step(f, mesh, worker_rngs="yes")
     with pytest.raises(ValueError, match="has_aux must be True or False"):
@@ -228,3 +231,132 @@ def test_audit_tells_payload_from_averaged_model_state(mesh):
     state, _ = wstep(state, jnp.ones((N, 4)))
     assert split == {"compjax": int(cj.payload_bytes(state["opt"])[0]), "compjax-uncounted": 16, "other": 0}
     assert "compjax, not in payload_bytes: 16 B" in cj.accounting.format_collectives(ops)
+
+
+class MLP(nnx.Module):
+    """A few layers, as a ported NNX program has them (dropout drawn from the model's own or a passed Rngs)."""
+
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
+
+
+def nnx_train_step(model, optimizer, batch):
+    """The usual NNX step: value_and_grad, optimizer.update."""
+    x, y = batch
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def regression_batch(rows=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, 16)).astype(np.float32), rng.normal(size=(rows, 4)).astype(np.float32)
+
+
+def test_worker_step_refuses_a_2d_mesh_and_2d_layouts_naming_the_path():
+    """A 2-D mesh, or a state laid out for one (fast_axis=, specs=, nnx_replicate(specs=)), would run as the slow
+    axis alone (and drop the sharding after one step): refused, the message naming the 1-D rule and the builders
+    that take those layouts, not blaming the layout."""
+    mesh2, mesh1 = parallel.make_2d_mesh(2, 4), parallel.make_mesh()
+    tx = optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"1-D worker mesh only.*\{'fast': 4\}.*data_parallel_step\(.*specs=.*"
+                                         r"nnx_data_parallel_step\(loss_fn, mesh, fast_axis="):
+        parallel.worker_step(sgd_step(tx), mesh2)
+    with pytest.raises(ValueError, match=r"1-D worker mesh only.*nnx_data_parallel_step\(loss_fn, mesh, fast_axis="):
+        parallel.nnx_data_parallel_step(lambda m, b: jnp.mean(m(b[0]) ** 2), mesh2)  # fast_axis forgotten
+
+    w = jnp.ones((4, 3))
+    step = parallel.worker_step(sgd_step(tx), mesh1)
+    stacked = parallel.replicate(w, mesh2, fast_axis="fast")  # 8 workers over both axes
+    with pytest.raises(ValueError, match=r"argument 0 is laid out .*'data', 'fast'.*1-D worker mesh only.*"
+                                         r"data_parallel_step\(loss_fn, tx, mesh, fast_axis=\.\.\., specs=\.\.\.\)"):
+        step(stacked, parallel.init_worker_state(tx, w, mesh1), (jnp.ones((16, 4)), jnp.ones((16, 3))))
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1)), wrt=nnx.Param)
+    parallel.nnx_replicate(mesh2, model, optimizer, specs=parallel.fsdp_specs(nnx.state(model), mesh2, min_size=256))
+    with pytest.raises(ValueError, match=r"argument 0\['l1'\]\['kernel'\].* laid out .*'fast'.*1-D worker mesh only.*"
+                                         r"nnx_data_parallel_step\(loss_fn, mesh, fast_axis=\.\.\.\)"):
+        parallel.worker_step(nnx_train_step, mesh1)(model, optimizer, regression_batch())
+
+
+def test_a_step_that_crosses_no_worker_axis_warns_unless_independent():
+    """No compressor in the chain: every worker would train its own model. Warned at the first call with the fix,
+    once; silent with independent=True, with a compressor, or with a collective of the step's own."""
+    def run(tx, **kw):
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        mesh = parallel.make_mesh()
+        parallel.nnx_replicate(mesh, model, optimizer)
+        step = parallel.worker_step(kw.pop("fn", nnx_train_step), mesh, **kw)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")  # every warning, even one with the text of an earlier run's
+            for seed in range(3):
+                step(model, optimizer, regression_batch(seed=seed))
+        return [str(w.message) for w in seen if "crosses the worker axis" in str(w.message)]
+
+    found = run(optax.adam(1e-3))
+    assert len(found) == 1, found
+    assert "'data'" in found[0] and "8 workers" in found[0] and "cj.identity(axis_name='data')" in found[0] \
+        and "independent=True" in found[0]
+    assert run(optax.adam(1e-3), independent=True) == []
+    assert run(optax.chain(cj.identity(axis_name=AXIS), optax.adam(1e-3))) == []
+
+    def own_mean(model, optimizer, batch):  # a pmap program's own lax.pmean of the gradients crosses the axis
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, jax.lax.pmean(grads, AXIS))
+        return loss
+
+    assert run(optax.adam(1e-3), fn=own_mean) == []
+    with pytest.raises(ValueError, match="independent must be True or False"):
+        parallel.worker_step(nnx_train_step, parallel.make_mesh(), independent="yes")
+
+
+def test_default_batch_skips_a_trailing_rngs_and_names_the_argument_otherwise():
+    """Flax's tutorial signature train_step(model, optimizer, metrics, batch, rngs): the default batch is the last
+    argument that is no NNX object (batch, not rngs); naming an NNX object as the batch says which to name."""
+    def train_step(model, optimizer, metrics, batch, rngs):
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m, r: jnp.mean((m(x, rngs=r) - y) ** 2))(model, rngs)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss)
+
+    mesh = parallel.make_mesh()
+    model, rngs = MLP(nnx.Rngs(0)), nnx.Rngs(dropout=1)
+    optimizer = nnx.Optimizer(model, optax.chain(cj.identity(axis_name=AXIS), optax.sgd(0.05)), wrt=nnx.Param)
+    metrics = nnx.metrics.Average("loss")
+    parallel.nnx_replicate(mesh, model, optimizer, metrics, rngs)
+    step = parallel.worker_step(train_step, mesh)
+    losses = []
+    for _ in range(4):
+        metrics.reset()
+        step(model, optimizer, metrics, regression_batch(), rngs)
+        losses.append(float(np.mean(np.asarray(metrics.compute()))))
+    assert losses[-1] < losses[0] and int(optimizer.step[0]) == 4
+
+    with pytest.raises(ValueError, match=r"argument 4 \(Rngs\) is an NNX object, but batch_argnums lists it.*"
+                                         r"batch_argnums=3"):
+        parallel.worker_step(train_step, mesh, batch_argnums=-1)(model, optimizer, metrics, regression_batch(), rngs)
+    with pytest.raises(ValueError, match=r"batch_argnums: every one of the step's 2 arguments is an NNX object"):
+        parallel.worker_step(lambda m, o: None, mesh)(model, optimizer)
+
+
+def test_a_worker_stacked_nnx_model_evaluates_through_nnx_unreplicate():
+    """The user's own eval on the replicated model fails on the extra worker axis; nnx_unreplicate gives the
+    one-worker model, sharded parameters gathered whole, with the single model's outputs."""
+    x = jnp.asarray(regression_batch()[0])
+    for mesh, specs in ((parallel.make_mesh(), None), (parallel.make_2d_mesh(2, 4), True)):
+        model = MLP(nnx.Rngs(0))
+        model.eval()
+        want = np.asarray(model(x))
+        kw = {"specs": parallel.fsdp_specs(nnx.state(model), mesh, min_size=256)} if specs else {}
+        parallel.nnx_replicate(mesh, model, **kw)
+        with pytest.raises(TypeError):
+            model(x)  # the extra leading axis (what nnx_replicate's docstring says to do instead)
+        one = parallel.nnx_unreplicate(model)
+        assert one.l1.kernel.shape == (16, 64) and one.l2.kernel.shape == (64, 4)
+        np.testing.assert_array_equal(np.asarray(one(x)), want)

@@ -201,6 +201,38 @@ def host_mean(grads: Sequence, size: int) -> list:
     return [g / jnp.asarray(size, g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g for g in grads]
 
 
+#: Primitives that name a mesh axis but move nothing between devices.
+NON_COMMUNICATING = frozenset({"pvary", "pcast", "axis_index"})
+
+
+def crosses_axis(jaxpr: Any, axis_name: str) -> bool:
+    """True when a collective over ``axis_name`` (any primitive naming it that moves data) is in ``jaxpr``.
+
+    Walks the equations of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) and of
+    every sub-jaxpr (``jit``, ``shard_map``, ``cond``, ``scan``, ``while``,
+    custom derivatives): a compjax compressor's collectives, the model's own
+    (sync BatchNorm) and the step's (``lax.pmean``) alike.  ``pvary`` and
+    ``axis_index`` name the axis but send nothing.
+    """
+    def names(v: Any) -> tuple:
+        return (v,) if isinstance(v, str) else tuple(x for x in v if isinstance(x, str)) \
+            if isinstance(v, (tuple, list)) else ()
+
+    def walk(j: Any) -> bool:
+        j = getattr(j, "jaxpr", j)
+        for eqn in j.eqns:
+            if eqn.primitive.name not in NON_COMMUNICATING and any(
+                    axis_name in names(eqn.params.get(k, ())) for k in ("axes", "axis_name")):
+                return True
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    if hasattr(getattr(sub, "jaxpr", sub), "eqns") and walk(sub):
+                        return True
+        return False
+
+    return walk(jaxpr)
+
+
 def load_nnx():
     """``flax.nnx``, imported on first use: the pure-pytree API does not need Flax."""
     from flax import nnx

@@ -32,7 +32,7 @@ from compjax.parallel.core import (
     per_tree,
 )
 from compjax.parallel.mesh import check_axis
-from compjax.parallel.placement import checked_leaf_specs, shard_batch, stack_copies, state_specs
+from compjax.parallel.placement import checked_leaf_specs, gather, shard_batch, stack_copies, state_specs
 from compjax.parallel.userstep import worker_step
 
 
@@ -48,6 +48,13 @@ def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data", specs: Any =
     Build the optimizer *before* replicating: ``nnx.Optimizer`` must see one
     worker's parameter shapes (compressor state such as top-k's ``k`` depends
     on them), then replicate model and optimizer together.
+
+    Afterwards the objects hold every worker's copy: calling the model
+    directly (an evaluation loop of one's own) fails inside its first layer
+    with a shape error on the extra leading axis (``n`` workers, e.g. a conv
+    kernel ``(8, 3, 3, 1, 32)``).  Evaluate :func:`nnx_unreplicate` ``(model)``
+    (worker 0's regular model, sharded parameters gathered whole), or run the
+    evaluation step on every worker with :func:`worker_step`.
 
     Args:
       mesh: the mesh; ``n = mesh.shape[axis_name]``.
@@ -144,7 +151,10 @@ def nnx_unreplicate(node: Any) -> Any:
     Returns:
       A new object of the same type whose Variables hold worker 0's values
       (shape without the worker axis, same dtype) as JAX arrays on worker 0's
-      device, in buffers of their own; ``node`` is not changed.
+      device, in buffers of their own; ``node`` is not changed.  A Variable
+      sharded over a fast axis (``nnx_replicate(..., specs=...)``) comes back
+      whole (gathered from the host's devices; with several processes every
+      process must call this, as :func:`gather`).
 
     Examples:
       >>> from flax import nnx
@@ -158,7 +168,12 @@ def nnx_unreplicate(node: Any) -> Any:
     graphdef, state = nnx.split(node)
 
     def first(x):
-        return x.addressable_shards[0].data[0] if hasattr(x, "addressable_shards") else jnp.asarray(x)[0]
+        if not hasattr(x, "addressable_shards"):
+            return jnp.asarray(x)[0]
+        spec = getattr(x.sharding, "spec", None)
+        if spec is not None and any(e is not None for e in tuple(spec)[1:]):  # a shard is not the whole worker
+            return jax.device_put(np.asarray(gather(x))[0], x.addressable_shards[0].device)
+        return x.addressable_shards[0].data[0]
 
     return nnx.merge(graphdef, jax.tree.map(first, state))
 
@@ -172,6 +187,7 @@ def nnx_data_parallel_step(
     has_aux: bool = False,
     worker_rngs: bool = True,
     donate: bool = False,
+    independent: bool = False,
 ) -> Callable[[Any, Any, Any], Any]:
     """Build a data-parallel train step for an NNX model and ``nnx.Optimizer``.
 
@@ -215,6 +231,9 @@ def nnx_data_parallel_step(
         step (False: every worker draws the same numbers).
       donate: donate the model's and optimizer's buffers to the step (the
         arrays held before the call are deleted; the objects get the new ones).
+      independent: on a 1-D mesh, the workers are meant to train apart: no
+        warning when the optimizer's ``tx`` holds no compressor over
+        ``axis_name`` (as :func:`worker_step`'s ``independent``).
 
     Returns:
       ``train_step(model, optimizer, batch) -> loss`` (``-> (loss, aux)`` with
@@ -249,7 +268,7 @@ def nnx_data_parallel_step(
       ['all-reduce', 'all-reduce']
     """
     check_axis(mesh, axis_name)
-    check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate)
+    check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate, independent=independent)
     if fast_axis is not None:
         check_axis(mesh, fast_axis)
         if fast_axis == axis_name:
@@ -262,7 +281,8 @@ def nnx_data_parallel_step(
         optimizer.update(model, grads)
         return out
 
-    return worker_step(single, mesh, axis_name=axis_name, worker_rngs=worker_rngs, donate=donate)
+    return worker_step(single, mesh, axis_name=axis_name, batch_argnums=-1, worker_rngs=worker_rngs, donate=donate,
+                       independent=independent)
 
 
 def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate) -> Callable[..., Any]:

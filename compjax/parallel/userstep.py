@@ -9,6 +9,7 @@ updated in place after the step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import workers
-from compjax.parallel.core import build_step, check_donatable, check_flags, is_graph_node, load_nnx
+from compjax.parallel.core import (
+    build_step,
+    check_donatable,
+    check_flags,
+    crosses_axis,
+    is_graph_node,
+    load_nnx,
+)
 from compjax.parallel.mesh import check_axis
 from compjax.parallel.placement import put, shard_batch
 
@@ -30,16 +38,27 @@ def _argnums(name: str, value: Any) -> tuple[int, ...]:
     return vals
 
 
+def _beyond_worker_axis(x: Any, axis_name: str) -> bool:
+    """True for an array laid out beyond the 1-D worker axis: its worker axis over several mesh axes, or a
+    dimension of its own sharded (``replicate(..., fast_axis=...)``, ``specs=``)."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    if spec is None or not len(spec):
+        return False
+    first, *rest = tuple(spec)
+    return (isinstance(first, tuple) and len(first) > 1) or any(e is not None for e in rest)
+
+
 def worker_step(
     fn: Callable[..., Any],
     mesh: Mesh,
     *,
     axis_name: str = "data",
-    batch_argnums: int | tuple[int, ...] = -1,
+    batch_argnums: int | tuple[int, ...] | None = None,
     rng_argnums: int | tuple[int, ...] = (),
     average: Any = (),
     worker_rngs: bool = True,
     donate: bool = False,
+    independent: bool = False,
 ) -> Callable[..., Any]:
     """Turn a single-device train step into the data-parallel step over the worker-stacked layout.
 
@@ -57,7 +76,9 @@ def worker_step(
       ``fn`` are then local (per-worker parameters): JAX adds no all-reduce of
       its own, and the compressor in the optimizer averages them over
       ``axis_name``;
-    * **batch arguments** (``batch_argnums``, default the last) are split
+    * **batch arguments** (``batch_argnums``, default the last argument that
+      is not an NNX object, so a trailing ``rngs`` of
+      ``train_step(model, optimizer, metrics, batch, rngs)`` is skipped) are split
       along their leading axis (:func:`shard_batch`): worker ``i`` gets rows
       ``[i*b, (i+1)*b)``;
     * **key arguments** (``rng_argnums``): one key, the same for all, from
@@ -79,13 +100,26 @@ def worker_step(
       fn: the single-device step (jitted or not; ``nnx.jit`` works too).
       mesh: mesh with axis ``axis_name`` (n workers).
       axis_name: the data axis; compressors in ``fn``'s optimizers must use it.
-      batch_argnums: positions of the batch arguments (negative counts from the end).
+      batch_argnums: positions of the batch arguments (negative counts from the
+        end); None: the last argument that is not an NNX object.
       rng_argnums: positions of PRNG key arguments (typed or raw), passed as one
         key for all workers.
       average: names and/or NNX Variable types to average over workers after each step.
       worker_rngs: fold the worker index into NNX arguments' ``RngKey`` streams.
       donate: donate the worker-stacked arguments' buffers (the arrays held
         before the call are deleted; NNX objects get the new ones).
+      independent: the workers are meant to train apart (local SGD, an
+        ensemble): no warning when nothing in the step crosses the worker
+        axis.  Without it, a step in which no collective crosses ``axis_name``
+        (no compjax compressor in the optimizer, no ``lax.pmean`` of the
+        step's own) warns at its first call, naming the fix: each worker would
+        train its own model.
+
+    ``worker_step`` runs on a 1-D worker mesh (:func:`make_mesh`), one worker
+    per device.  A 2-D mesh or a state laid out for one (``replicate(...,
+    fast_axis=...)``, ``specs=``, ``nnx_replicate(..., specs=...)``) is refused:
+    those layouts take :func:`data_parallel_step` (``fast_axis=``, ``specs=``)
+    or :func:`nnx_data_parallel_step` (``fast_axis=``).
 
     Returns:
       ``step(*args)`` with ``fn``'s arguments in the worker-stacked layout,
@@ -94,10 +128,13 @@ def worker_step(
       :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a flag not a bool, argnums not
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a mesh with
+        another axis of more than one device (a 2-D mesh), a flag not a bool, argnums not
         ints or overlapping, an ``average`` entry neither a name nor an NNX
         Variable type; when called, an argnum out of range, an NNX object or a
-        non-key at a batch or key position, a batch not divisible by ``n``, a
+        non-key at a batch or key position (or no argument left for the
+        default batch), an argument laid out for a 2-D mesh or sharded
+        (``fast_axis=`` / ``specs=``), a batch not divisible by ``n``, a
         closed-over NNX object that ``fn`` tries to update (pass it as an
         argument), or (with ``donate``) an array already donated.
 
@@ -121,13 +158,34 @@ def worker_step(
       ((8,), 20)
     """
     check_axis(mesh, axis_name)
-    check_flags(worker_rngs=worker_rngs, donate=donate)
-    batch_nums, rng_nums = _argnums("batch_argnums", batch_argnums), _argnums("rng_argnums", rng_argnums)
+    check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
+    others = {a: s for a, s in mesh.shape.items() if a != axis_name and s > 1}
+    if others:
+        raise ValueError(
+            f"worker_step runs on a 1-D worker mesh only (axis_name={axis_name!r}, one worker per device), but the "
+            f"mesh also has {others}: it would run as {mesh.shape[axis_name]} workers with each one's devices "
+            "repeating its work. For a 2-D mesh take data_parallel_step(loss_fn, tx, mesh, fast_axis=..., specs=...) "
+            "(pytrees) or nnx_data_parallel_step(loss_fn, mesh, fast_axis=...) (NNX, with nnx_replicate(..., specs=...)"
+            " for sharded parameters); for your own step, build it on parallel.make_mesh() with the state from "
+            "parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...)"
+        )
+    batch_nums = None if batch_argnums is None else _argnums("batch_argnums", batch_argnums)
+    rng_nums = _argnums("rng_argnums", rng_argnums)
     names, types = workers.check_average(average)
 
-    def kinds_of(nargs: int) -> tuple[str, ...]:
+    def kinds_of(args: tuple) -> tuple[str, ...]:
+        nargs = len(args)
+        bnums = batch_nums
+        if bnums is None:  # the last argument that is no NNX object (not a trailing nnx.Rngs)
+            free = [i for i, a in enumerate(args) if not is_graph_node(a)]
+            if not free:
+                raise ValueError(
+                    f"batch_argnums: every one of the step's {nargs} arguments is an NNX object, so none is the "
+                    "batch: pass the batch as an argument and name its position with batch_argnums=<i>"
+                )
+            bnums = (free[-1],)
         pos = {}
-        for label, nums, what in (("b", batch_nums, "batch_argnums"), ("k", rng_nums, "rng_argnums")):
+        for label, nums, what in (("b", bnums, "batch_argnums"), ("k", rng_nums, "rng_argnums")):
             for v in nums:
                 if not -nargs <= v < nargs:
                     raise ValueError(f"{what} entry {v} is out of range for a step called with {nargs} arguments")
@@ -168,11 +226,15 @@ def worker_step(
     jitted = build_step(body, mesh, axis_name, "ccssbk", donate=donate)
 
     def prepare(args):
-        kinds = kinds_of(len(args))
+        kinds = kinds_of(args)
         for i, (a, k) in enumerate(zip(args, kinds)):
             if k != "s" and is_graph_node(a):
-                raise ValueError(f"argument {i} is an NNX object, but batch_argnums / rng_argnums list it: NNX "
-                                 "objects are worker-stacked arguments (parallel.nnx_replicate)")
+                free = [j for j, b in enumerate(args) if not is_graph_node(b)]
+                hint = f" (batch_argnums={free[-1]}, the last argument that is no NNX object)" if free else ""
+                raise ValueError(f"argument {i} ({type(a).__name__}) is an NNX object, but "
+                                 f"{'batch_argnums' if k == 'b' else 'rng_argnums'} lists it: NNX objects are "
+                                 "worker-stacked arguments (parallel.nnx_replicate); name the batch's position with "
+                                 f"batch_argnums{hint}")
             if k == "k" and not all(workers.is_key(x) for x in jax.tree.leaves(a)):
                 raise ValueError(f"argument {i} is listed in rng_argnums but is not a PRNG key "
                                  "(jax.random.key(seed) or a raw uint32[2] key)")
@@ -181,6 +243,18 @@ def worker_step(
         graphdef, gstate = load_nnx().split(objs) if objs else (None, None)
         stacked = tuple(a for a, k in zip(args, kinds) if k == "s")
         n = mesh.shape[axis_name]
+        if any(_beyond_worker_axis(x, axis_name) for x in jax.tree.leaves((gstate, stacked))):
+            for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):  # name it
+                for path, x in jax.tree_util.tree_leaves_with_path(load_nnx().state(a) if is_graph_node(a) else a):
+                    if _beyond_worker_axis(x, axis_name):
+                        raise ValueError(
+                            f"argument {i}{jax.tree_util.keystr(path)} is laid out {x.sharding.spec} on a mesh of "
+                            f"axes {dict(x.sharding.mesh.shape)}: a 2-D or sharded layout (fast_axis= or specs=), "
+                            "but worker_step runs on a 1-D worker mesh only. Train that layout with "
+                            "data_parallel_step(loss_fn, tx, mesh, fast_axis=..., specs=...) (pytrees) or "
+                            "nnx_data_parallel_step(loss_fn, mesh, fast_axis=...) (NNX), or lay the state out with "
+                            "parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...) on the 1-D mesh"
+                        )
         unstacked = any(np.ndim(x) == 0 or np.shape(x)[0] != n for x in jax.tree.leaves((gstate, stacked)))
         for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if unstacked and k in "gs"):  # name it
             for path, x in jax.tree_util.tree_leaves_with_path(load_nnx().state(a) if is_graph_node(a) else a):
@@ -197,8 +271,28 @@ def worker_step(
         keys = tuple(put(a, NamedSharding(mesh, P())) for a, k in zip(args, kinds) if k == "k")
         return objs, (graphdef, kinds, gstate, stacked, batches, keys)
 
+    checked: set = set()
+
+    def warn_if_apart(jargs: tuple) -> None:
+        """At the first call per structure: warn when no collective of the step crosses ``axis_name``."""
+        sig = (jargs[0], jargs[1], jax.tree.structure(jargs[2:]),
+               tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in jax.tree.leaves(jargs[2:])))
+        if independent or sig in checked:
+            return
+        checked.add(sig)
+        if not crosses_axis(jitted.trace(*jargs).jaxpr, axis_name):
+            warnings.warn(
+                f"worker_step: nothing in this step crosses the worker axis {axis_name!r} (no compressor's "
+                f"collective, no collective of the step's own), so each of the {mesh.shape[axis_name]} workers "
+                f"trains its own model on its own batch and the copies drift apart. Put a compjax compressor with "
+                f"axis_name={axis_name!r} in the optimizer's chain, e.g. optax.chain(cj.identity(axis_name="
+                f"{axis_name!r}), optax.adam(1e-3)) for the dense mean, or pass independent=True to "
+                "parallel.worker_step when independent workers are meant (local SGD)",
+                UserWarning, stacklevel=3)
+
     def step(*args):
         objs, jargs = prepare(args)
+        warn_if_apart(jargs)
         gstate, out = jitted(*jargs)
         if objs:
             load_nnx().update(objs, gstate)
