@@ -93,3 +93,43 @@ def test_norm_transforms_are_found_in_chains_and_wrappers():
         with pytest.raises(ValueError, match=rf"optax\.{name}.*cj\.clip_by_global_norm"):
             clip.check_sharded_chain(tx)
     clip.check_sharded_chain(optax.chain(top, cj.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+
+
+def test_step_builders_warn_about_local_clipping_and_refuse_shard_norms():
+    """A ported program's clip before the compressor is named at build time; under specs= optax's global norm
+    (a shard's) is refused, cj.clip_by_global_norm is not; the NNX 2-D step does the same with optimizer.tx."""
+    import warnings
+
+    from flax import nnx
+
+    mesh1 = parallel.make_mesh()
+    before = optax.chain(optax.clip_by_global_norm(1.0), cj.topk(0.25, axis_name="data"), optax.sgd(0.1))
+    with pytest.warns(UserWarning, match=r"optax\.clip_by_global_norm before its compjax compressor"):
+        parallel.data_parallel_step(_loss, before, mesh1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.data_parallel_step(_loss, optax.chain(cj.topk(0.25, axis_name="data"),
+                                                       optax.clip_by_global_norm(1.0)), mesh1)
+
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    init = {"w1": jnp.zeros((6, 16)), "b1": jnp.zeros(16), "w2": jnp.zeros((16, 3)), "b2": jnp.zeros(3)}
+    specs = parallel.fsdp_specs(init, mesh, min_size=1)
+    after = optax.chain(cj.topk(0.25, axis_name="data"), optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm.*shard's norm.*cj\.clip_by_global_norm"):
+        parallel.data_parallel_step(_loss, after, mesh, specs=specs)
+    parallel.data_parallel_step(_loss, optax.chain(cj.topk(0.25, axis_name="data"), cj.clip_by_global_norm(1.0)),
+                                mesh, specs=specs)
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l1(x)
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, after, wrt=nnx.Param)
+    parallel.nnx_replicate(mesh, model, optimizer, specs=parallel.fsdp_specs(nnx.state(model), mesh, min_size=1))
+    step = parallel.nnx_data_parallel_step(lambda m, b: jnp.mean(m(b) ** 2), mesh, fast_axis="fast")
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm"):
+        step(model, optimizer, jnp.ones((16, 8)))

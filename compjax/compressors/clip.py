@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,7 +34,13 @@ import optax
 from compjax import collectives, layout
 from compjax._checks import check_range
 
-__all__ = ["ClipByGlobalNormState", "check_sharded_chain", "clip_by_global_norm", "local_norm_transforms"]
+__all__ = [
+    "ClipByGlobalNormState",
+    "check_sharded_chain",
+    "clip_by_global_norm",
+    "local_norm_transforms",
+    "warn_local_norms",
+]
 
 
 #: Factories (optax and its contrib) whose update reduces over whole leaves or the whole tree, so that
@@ -210,3 +218,28 @@ def local_norm_transforms(tx: optax.GradientTransformation) -> list[str]:
         if _factory(fn) in NORM_TRANSFORMS and not fn.__module__.startswith("compjax"):
             names.append(_factory(fn))
     return list(dict.fromkeys(names))
+
+
+def warn_local_norms(tx: optax.GradientTransformation) -> None:
+    """Warn (``UserWarning``) when a norm-based optax transform runs before the chain's compressor.
+
+    Called by the step builders of :mod:`compjax.parallel` when they are built:
+    ``optax.chain(optax.clip_by_global_norm(1.0), cj.topk(...), ...)`` clips
+    each worker's local gradient by its own norm, which trains differently from
+    the one-device program it was ported from (which clips the averaged
+    gradient).  Local clipping on purpose (as DGC's ``clip_norm``) may silence
+    it with ``warnings.filterwarnings("ignore", message=".*local gradient")``.
+
+    Args:
+      tx: the optimizer the step runs.
+    """
+    names = local_norm_transforms(tx)
+    if names:
+        warnings.warn(
+            f"tx applies {', '.join(f'optax.{n}' for n in names)} before its compjax compressor, so it sees each "
+            "worker's local gradient (clipping there clips every worker's gradient by its own norm, not the "
+            "averaged gradient a one-device program clips): put it after the compressor, e.g. "
+            "optax.chain(cj.topk(...), optax.clip_by_global_norm(1.0), optax.adamw(...))",
+            UserWarning,
+            stacklevel=3,
+        )

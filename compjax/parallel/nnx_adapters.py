@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import layout, workers
+from compjax.compressors import clip
 from compjax.parallel.core import (
     build_step,
     check_donatable,
@@ -275,7 +276,8 @@ def nnx_data_parallel_step(
             raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
         return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate)
 
-    def single(model, optimizer, batch):
+    def single(model, optimizer, batch):  # traced once per structure: the chain is checked then
+        clip.warn_local_norms(optimizer.tx)
         grad_fn = load_nnx().value_and_grad(loss_fn, argnums=load_nnx().DiffState(0, optimizer.wrt), has_aux=has_aux)
         out, grads = grad_fn(model, batch)
         optimizer.update(model, grads)
@@ -361,12 +363,19 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                           donate=donate)
 
     get, cache_size = per_tree(build)
+    checked: set = set()
 
     def prepare(model, optimizer, batch):
         if not isinstance(optimizer, nnx.Optimizer):
             raise ValueError(f"optimizer must be an nnx.Optimizer built on the model, got {type(optimizer).__name__}")
         mdef, params, rest = nnx.split(model, optimizer.wrt, ...)
         odef, ostate = nnx.split(optimizer)
+        if id(optimizer.tx) not in checked:  # the chain, once per optimizer: see compjax.compressors.clip
+            clip.warn_local_norms(optimizer.tx)
+            if any(fast_axis in jax.tree.leaves(tuple(getattr(getattr(x, "sharding", None), "spec", ()))[1:])
+                   for x in jax.tree.leaves(params)):
+                clip.check_sharded_chain(optimizer.tx)
+            checked.add(id(optimizer.tx))
         flat = [jax.tree.flatten(t) for t in (params, rest, ostate)]
         trees, arrays = tuple(t for _, t in flat), tuple(a for a, _ in flat)
         if donate:

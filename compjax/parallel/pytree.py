@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, layout
+from compjax.compressors import clip
 from compjax.parallel.core import build_step, check_flags, gather_whole, host_mean, keyed, per_tree
 from compjax.parallel.mesh import check_axis, worker_axes
 from compjax.parallel.placement import checked_leaf_specs, shard_dims, stacked_spec, state_specs
@@ -97,14 +98,24 @@ def data_parallel_step(
 
     Raises:
       ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``,
-        or a flag (``has_aux``, ``rng``, ``donate``) not a bool; at the first
+        or a flag (``has_aux``, ``rng``, ``donate``) not a bool, or with
+        ``specs`` a ``tx`` holding a transform that reduces over whole layers
+        (``optax.clip_by_global_norm``: use :func:`compjax.clip_by_global_norm`;
+        :func:`compjax.compressors.clip.check_sharded_chain`); at the first
         call, ``specs`` that do not fit the parameters (named by leaf).
+
+    Warns:
+      UserWarning: when built, a norm-based optax transform before the
+        compressor, which sees each worker's local gradient
+        (:func:`compjax.compressors.clip.warn_local_norms`).
     """
     check_axis(mesh, axis_name)
     check_flags(has_aux=has_aux, rng=rng, donate=donate)
     if fast_axis is not None:
         check_axis(mesh, fast_axis)
+    clip.warn_local_norms(tx)
     if specs is not None:
+        clip.check_sharded_chain(tx)
         return _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate)
     axes = worker_axes(mesh, axis_name, fast_axis)[1]
 
