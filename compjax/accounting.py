@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ from compjax import bytecount
 __all__ = [
     "COLLECTIVE_OPS",
     "Collective",
+    "DENSE_GRADIENTS",
     "audit_collectives",
     "bytes_by_axes",
     "bytes_by_issuer",
@@ -56,6 +58,12 @@ _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 # wrappers (``transpose(jvp(compjax))/...``).
 _COMPJAX_RE = re.compile(r"(?:^|[/(])compjax\)*/")
 _UNCOUNTED_RE = re.compile(r"(?:^|[/(])compjax_uncounted\)*/")
+# The scope a compressor's update runs under: the bytes of the gradients it was given (compressors.base.grads_scope).
+_GRADS_RE = re.compile(r"/grads_(\d+)B\)*/")
+
+#: :attr:`Collective.flag` of a dense floating-point all-reduce that compjax did not issue, as large as the
+#: gradients a compressor was given: the gradients crossed the wire densely before (or instead of) compression.
+DENSE_GRADIENTS = "dense gradients, not compjax"
 
 
 def _issuer(scope: str) -> str | None:
@@ -92,6 +100,10 @@ class Collective(NamedTuple):
         collective it came from (read from the combined instruction's
         ``(name:name:...)`` op name or from the ``get-tuple-element`` that
         replaced each original).
+      flag: ``""``, or :data:`DENSE_GRADIENTS` for a floating-point all-reduce
+        not issued by compjax in a program whose such all-reduces carry at
+        least as many bytes as the gradients a compressor of the program was
+        given (see :func:`audit_collectives`).
     """
 
     op: str
@@ -100,6 +112,7 @@ class Collective(NamedTuple):
     name: str
     replica_groups: tuple | None = None
     scopes: tuple = ()
+    flag: str = ""
 
     @property
     def dtype(self) -> str:
@@ -324,6 +337,18 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     :func:`compjax.parallel.worker_step` (``average=``): both run under the
     scope ``compjax_uncounted/`` and read ``issuer="compjax-uncounted"``.
 
+    **Dense gradients that compjax did not send.**  Every compressor runs
+    under a named scope holding the bytes of the gradients it was given
+    (``.../cj.topk/grads_23024B/...``).  When the floating-point all-reduces
+    not issued by compjax carry together at least that many bytes, each gets
+    ``flag ==`` :data:`DENSE_GRADIENTS` and a ``UserWarning`` names the fix:
+    the gradients crossed the wire densely -- a leftover
+    ``lax.pmean(grads)`` of a pmap program (under ``pmap`` no type says it;
+    under ``jax.shard_map`` the compressor refuses such gradients at trace
+    time), or the dense all-reduce XLA inserts into a ``jax.jit`` step over
+    replicated parameters.  A model's own small collectives (a BatchNorm's
+    statistics) are not flagged.
+
     **Bytes.**  The bytes are those of the compiled operands, which can differ
     from the traced dtype: XLA:CPU reduces bfloat16 as float32 and float8 as
     float16 (twice the bytes; :func:`compjax.collectives.reduce_bytes` counts
@@ -342,6 +367,11 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
 
     Returns:
       A list of :class:`Collective`, in program order.
+
+    Warns:
+      UserWarning: dense floating-point all-reduces not issued by compjax as
+        large as the gradients a compressor was given (flagged
+        :data:`DENSE_GRADIENTS`).
 
     Raises:
       ValueError: example arguments given with a compiled program.
@@ -372,9 +402,50 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     if isinstance(fn, jax.stages.Compiled):
         if args or kwargs:
             raise ValueError("a compiled program takes no example arguments: audit_collectives(compiled)")
-        return _collectives_of_hlo(fn.as_text())
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return _collectives_of_hlo(jitted.lower(*args, **kwargs).compile().as_text())
+        text = fn.as_text()
+    else:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        text = jitted.lower(*args, **kwargs).compile().as_text()
+    ops = _collectives_of_hlo(text)
+    flagged = [op for op in ops if op.flag == DENSE_GRADIENTS]
+    if flagged:
+        warnings.warn(_dense_gradients_message(flagged, _grads_bytes(text)), stacklevel=2)
+    return ops
+
+
+def _grads_bytes(text: str) -> int:
+    """The largest gradient size (bytes per device) a compressor of the program was given, 0 if none says."""
+    return max((int(n) for n in _GRADS_RE.findall(text)), default=0)
+
+
+def _dense_float_others(op: "Collective") -> int:
+    """Bytes of ``op``'s floating-point operands that compjax did not issue, if ``op`` is an all-reduce."""
+    if op.op != "all-reduce":
+        return 0
+    return sum(_array_bytes(d, s) for (d, s), who in zip(op.operands, op.issuers)
+               if who is None and (d.startswith("f") or d.startswith("bf")))
+
+
+def _flag_dense_gradients(ops: list["Collective"], grads: int) -> list["Collective"]:
+    """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others, when together they carry ``>= grads`` bytes."""
+    others = sum(_dense_float_others(op) for op in ops)
+    if not grads or others < grads:
+        return ops
+    return [op._replace(flag=DENSE_GRADIENTS) if _dense_float_others(op) else op for op in ops]
+
+
+def _dense_gradients_message(flagged: list["Collective"], grads: int) -> str:
+    total = sum(_dense_float_others(op) for op in flagged)
+    return (
+        f"audit_collectives: {len(flagged)} floating-point all-reduce(s) not issued by compjax carry {total:,} B per "
+        f"device, at least the {grads:,} B of gradients a compressor of this step was given: the gradients crossed "
+        f"the wire densely, not compressed. Either the step averages the gradients itself (a leftover "
+        f"`grads = jax.lax.pmean(grads, axis)` from a pmap program: remove it, compjax averages them), or it is a "
+        f"jax.jit step over replicated parameters and a sharded batch, where XLA all-reduces the gradients and the "
+        f"compressor (axis_name=None) sends nothing: run the step with a worker axis "
+        f"(compjax.parallel.worker_step or data_parallel_step, compressors built with that axis_name). "
+        f"Flagged: {', '.join(op.name for op in flagged)} (Collective.flag == {DENSE_GRADIENTS!r})"
+    )
 
 
 _OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
@@ -441,7 +512,7 @@ def _collectives_of_hlo(text: str) -> list[Collective]:
         arrays = [a for part in per_operand for a in part]
         scopes = tuple(s for part, s in zip(per_operand, names) for _ in part)
         out.append(Collective(op, tuple(arrays), _nbytes(arrays), name, groups, scopes))
-    return out
+    return _flag_dense_gradients(out, _grads_bytes(text))
 
 
 def _operand_scopes(name: str, op_name: str, n: int, dones: dict, gtes: dict) -> list[str]:
@@ -576,7 +647,8 @@ def format_collectives(ops: list[Collective]) -> str:
 
     Each line gives the opcode, the operands (HLO dtype and shape), the bytes
     this device puts in, the issuer (``compjax``, ``not compjax`` or ``mixed``)
-    and the op name of the first operand.  The last line adds up the bytes
+    and the op name of the first operand, then ``[<flag>]`` for a flagged one
+    (:data:`DENSE_GRADIENTS`).  The last line adds up the bytes
     issued by compjax and by others, and lists the other collectives' opcodes:
     an auto-sharded ``jax.jit`` step whose compressor has no worker axis reads
     ``not issued by compjax: ... all-reduce``: the dense gradient all-reduce XLA
@@ -604,7 +676,7 @@ def format_collectives(ops: list[Collective]) -> str:
     ]
     widths = [max([len(r[i]) for r in rows] or [0]) for i in range(4)]
     lines = ["  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].ljust(widths[3]),
-                        r[4]]).rstrip() for r in rows]
+                        r[4]]).rstrip() + (f"  [{op.flag}]" if op.flag else "") for r, op in zip(rows, ops)]
     split = bytes_by_issuer(ops)
     ours = [op for op in ops if "compjax" in op.issuers]
     others = [op for op in ops if None in op.issuers]

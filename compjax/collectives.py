@@ -74,6 +74,7 @@ __all__ = [
     "sparse_mean",
     "sparse_mean_segments",
     "sum_over_fast",
+    "typed_axis",
     "uncounted",
     "vary",
     "varying_axes",
@@ -248,6 +249,20 @@ def varying_axes(x) -> frozenset:
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", None) or ())  # older JAX spelling
+
+
+def typed_axis(axis: str) -> bool:
+    """Whether ``axis`` (bound here) is one whose values JAX types as varying or invariant.
+
+    True inside ``jax.shard_map`` with ``check_vma=True`` (the default) over a
+    mesh that has ``axis``: there an array that came out of a ``psum`` or
+    ``pmean`` over ``axis`` is typed invariant, one computed from per-worker
+    data varying.  False under ``pmap``, ``vmap`` and ``shard_map(...,
+    check_vma=False)``, where no type says it.  Read at trace time from the
+    type of ``jax.lax.axis_index(axis)`` (varying wherever the types are
+    tracked; unused, so it leaves no instruction in the compiled program).
+    """
+    return axis in varying_axes(jax.lax.axis_index(axis))
 
 
 def vary(x: jnp.ndarray, axes) -> jnp.ndarray:

@@ -65,8 +65,8 @@ from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
 
 __all__ = [
-    "COMMON_FIELDS", "Context", "Exchanged", "any_nonfinite", "check_axis", "compressor", "is_compressible", "silenced",
-    "update_with_sent",
+    "COMMON_FIELDS", "Context", "Exchanged", "GRADS_SCOPE", "any_nonfinite", "check_axis", "compressor", "grads_scope",
+    "is_compressible", "silenced", "update_with_sent",
 ]
 
 #: The fields every compressor state ends with.
@@ -122,6 +122,24 @@ def is_compressible(x) -> bool:
     """Whether a leaf goes through the exchange: a floating dtype and at least one element."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and int(x.size) > 0
+
+
+#: The named scope under which a compressor runs, holding the bytes of the gradients it was given.
+GRADS_SCOPE = "grads_{}B"
+
+
+def grads_scope(updates: Any) -> str:
+    """``grads_<n>B``: the named scope a compressor's update runs under, ``n`` the bytes of its compressible leaves.
+
+    ``n`` counts the floating-point leaves with at least one element
+    (:func:`is_compressible`) as this device holds them.  The compiled
+    program keeps the scope in its op names, where
+    :func:`compjax.audit_collectives` reads it to tell a dense all-reduce of
+    the gradients issued by someone else (a leftover ``lax.pmean`` of a pmap
+    program) from a model's small collectives.
+    """
+    n = sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(updates) if is_compressible(x))
+    return GRADS_SCOPE.format(n)
 
 
 def any_nonfinite(xs: Sequence[jnp.ndarray]) -> jnp.ndarray:
@@ -244,6 +262,14 @@ def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
     * an ``axis_name`` that no enclosing ``shard_map``/``pmap``/``vmap``
       binds (e.g. ``"batch"`` on a ``"data"`` mesh), which ``jax.lax`` reports
       as a bare ``AssertionError`` or ``NameError``.
+    * gradients already averaged over the worker axis: inside
+      ``jax.shard_map`` (with its varying-axes checks, the default) every
+      floating-point leaf is typed invariant over ``axis_name`` -- a
+      leftover ``lax.pmean(grads, axis)`` of a pmap program, or gradients of
+      replicated parameters, which JAX all-reduces by itself.  The dense
+      all-reduce has already sent them; compressing their mean would send
+      again and change nothing.  (Under ``pmap`` and ``vmap`` no type says
+      it: :func:`compjax.audit_collectives` flags such an all-reduce.)
 
     Args:
       axis_name: the transform's worker axis (a name, a tuple of names, or None).
@@ -251,7 +277,8 @@ def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
       who: the transform, as users call it (e.g. ``"cj.topk"``).
 
     Raises:
-      ValueError: naming ``who``, its ``axis_name``, the axes bound here and the fix.
+      ValueError: naming ``who``, its ``axis_name``, the axes bound here (or the axis
+        the gradients were already averaged over) and the fix.
     """
     bound = _bound_axes()
     if axis_name is None:
@@ -275,6 +302,19 @@ def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
                f"build it with one of {bound}" if bound else
                "call it inside the data-parallel step, or build it with axis_name=None for one worker")
         raise ValueError(f"{who} has axis_name={axis_name!r}, which is not an axis of this step: {where}; {fix}")
+    if leaves:
+        averaged = [n for n in names if collectives.typed_axis(n)
+                    and not any(n in collectives.varying_axes(x) for x in leaves)]
+        if averaged:
+            raise ValueError(
+                f"{who} (axis_name={axis_name!r}) was given gradients that are already invariant over the worker "
+                f"axis {averaged[0]!r}: every floating-point leaf is typed as the same on every worker, so a psum or "
+                f"pmean over {averaged[0]!r} (a leftover `grads = jax.lax.pmean(grads, {averaged[0]!r})` from a pmap "
+                f"program, or gradients taken with respect to replicated parameters, which JAX all-reduces itself) "
+                f"already sent them densely, and the compressor would compress a mean. Remove the user's pmean/psum "
+                f"of the gradients (compjax averages them) and take the gradients of each worker's own copy of the "
+                f"parameters (compjax.parallel's step builders do)"
+            )
 
 
 def _who(state_cls: type) -> str:
@@ -355,11 +395,14 @@ def compressor(
     who = _who(state_cls)
 
     def update_fn(updates, state, params=None, **extra_args):
-        with jax.named_scope(who):  # the audit's op names then say whose collective it is: .../cj.topk/compjax/...
+        # The audit's op names then say whose collective it is and how large the gradients it was given are
+        # (.../cj.topk/grads_4096B/compjax/...): compjax.audit_collectives flags a dense all-reduce of that size
+        # that compjax did not issue (a leftover pmean of the gradients).
+        with jax.named_scope(who), jax.named_scope(grads_scope(updates)):
             return _update(updates, state)[:2]
 
     def with_sent_fn(updates, state):
-        with jax.named_scope(who):
+        with jax.named_scope(who), jax.named_scope(grads_scope(updates)):
             return _update(updates, state, with_sent=True)
 
     def _update(updates, state, with_sent=False):

@@ -1,0 +1,86 @@
+"""A program ported from pmap or from a jit + NamedSharding step trains what its user believes, and counts it right.
+
+Each test is the shape of a user's program (a few layers, a few steps): a leftover ``lax.pmean`` of the
+gradients is refused under ``shard_map`` and flagged by the audit under ``pmap``; a compressor with no worker
+axis reports nothing as sent; ``payload_bytes`` reads 0 on the steps a wrapper sent nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import compjax as cj
+from compjax import accounting, parallel
+from tests.helpers import AXIS
+
+N = 8
+PARAMS = {"w1": jnp.full((8, 16), 0.1), "b1": jnp.zeros(16), "w2": jnp.full((16, 1), 0.1)}
+GRAD_BYTES = (8 * 16 + 16 + 16) * 4
+
+
+def mlp_loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+
+def batch(n=N * 2, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(n, 8)), jnp.float32), jnp.asarray(rng.normal(size=(n, 1)), jnp.float32)
+
+
+def stacked(tree, n=N):
+    return jax.tree.map(lambda v: jnp.stack([jnp.asarray(v)] * n), tree)
+
+
+# --- a leftover lax.pmean(grads) -------------------------------------------------------------------------------
+
+
+def pmap_style_step(tx, leftover_pmean):
+    """The train step of a pmap program: grads, (the old pmean), the optimizer, a metrics pmean."""
+
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+        if leftover_pmean:
+            grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
+
+    return train_step
+
+
+def test_leftover_pmean_under_shard_map_is_refused_naming_the_axis_and_the_fix(mesh):
+    tx = optax.chain(cj.topk(0.1, axis_name=AXIS), optax.sgd(0.1))
+    x, y = batch()
+    state = parallel.replicate((PARAMS, tx.init(PARAMS)), mesh)
+    bad = parallel.worker_step(lambda s, x, y: pmap_style_step(tx, True)(*s, x, y), mesh, batch_argnums=(1, 2))
+    with pytest.raises(ValueError, match=r"cj\.topk \(axis_name='data'\).*already invariant over the worker axis "
+                                         r"'data'.*Remove the user's pmean/psum of the gradients \(compjax averages"):
+        bad(state, x, y)
+    good = parallel.worker_step(lambda s, x, y: pmap_style_step(tx, False)(*s, x, y), mesh, batch_argnums=(1, 2))
+    _, s, _ = good(state, x, y)  # without it the same step runs, and the metrics pmean is no gradient
+    assert np.all(cj.payload_bytes(s) > 0)
+
+
+def test_leftover_pmean_under_pmap_is_flagged_by_the_audit(mesh):
+    tx = optax.chain(cj.topk(0.1, axis_name=AXIS), optax.sgd(0.1))
+    x, y = (v.reshape(N, 2, -1) for v in batch())
+    args = (stacked(PARAMS), stacked(tx.init(PARAMS)), x, y)
+    with pytest.warns(UserWarning, match=r"not issued by compjax carry 6[0-9]{2} B per device, at least the 640 B of "
+                                         r"gradients.*leftover `grads = jax.lax.pmean\(grads, axis\)`.*remove it"):
+        ops = cj.audit_collectives(jax.pmap(pmap_style_step(tx, True), axis_name=AXIS), *args)
+    flagged = [op for op in ops if op.flag == accounting.DENSE_GRADIENTS]
+    assert flagged and sum(op.bytes for op in flagged) >= GRAD_BYTES
+    assert all(op.op == "all-reduce" and op.issuer is None for op in flagged)
+    assert "[dense gradients, not compjax]" in accounting.format_collectives(ops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the port done right: the metrics pmean (4 B) is no gradient all-reduce
+        ops = cj.audit_collectives(jax.pmap(pmap_style_step(tx, False), axis_name=AXIS), *args)
+    assert not any(op.flag for op in ops)
+    assert any(op.issuer is None for op in ops)  # the metrics pmean is listed, not flagged
