@@ -26,8 +26,8 @@ from compjax import bytecount
 
 __all__ = [
     "COLLECTIVE_OPS",
-    "Collective",
     "DENSE_GRADIENTS",
+    "Collective",
     "audit_collectives",
     "bytes_by_axes",
     "bytes_by_issuer",
@@ -418,15 +418,15 @@ def _grads_bytes(text: str) -> int:
     return max((int(n) for n in _GRADS_RE.findall(text)), default=0)
 
 
-def _dense_float_others(op: "Collective") -> int:
+def _dense_float_others(op: Collective) -> int:
     """Bytes of ``op``'s floating-point operands that compjax did not issue, if ``op`` is an all-reduce."""
     if op.op != "all-reduce":
         return 0
     return sum(_array_bytes(d, s) for (d, s), who in zip(op.operands, op.issuers)
-               if who is None and (d.startswith("f") or d.startswith("bf")))
+               if who is None and d.startswith(("f", "bf")))
 
 
-def _flag_dense_gradients(ops: list["Collective"], grads: int) -> list["Collective"]:
+def _flag_dense_gradients(ops: list[Collective], grads: int) -> list[Collective]:
     """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others, when together they carry ``>= grads`` bytes."""
     others = sum(_dense_float_others(op) for op in ops)
     if not grads or others < grads:
@@ -434,7 +434,7 @@ def _flag_dense_gradients(ops: list["Collective"], grads: int) -> list["Collecti
     return [op._replace(flag=DENSE_GRADIENTS) if _dense_float_others(op) else op for op in ops]
 
 
-def _dense_gradients_message(flagged: list["Collective"], grads: int) -> str:
+def _dense_gradients_message(flagged: list[Collective], grads: int) -> str:
     total = sum(_dense_float_others(op) for op in flagged)
     return (
         f"audit_collectives: {len(flagged)} floating-point all-reduce(s) not issued by compjax carry {total:,} B per "

@@ -28,7 +28,9 @@ Beside the arrays each step stores a JSON ``meta`` item: the state's
 signature (worker count, state types, leaf shapes and dtypes) and a
 caller-given ``extra`` dict (counters, a NumPy ``Generator``'s state, ...).
 :meth:`Checkpointer.restore` compares the signature with the target's first and
-raises a ``ValueError`` naming both sides when the worker count, the state
+raises a ``ValueError`` naming both sides when the worker axis (a
+worker-stacked checkpoint restored into a one-worker target, or the
+reverse: the message says how to replicate or unreplicate), the worker count, the state
 types (e.g. another compressor's state), a leaf's shape or dtype, or the kind of
 a key (typed ``key<fry>`` against raw ``uint32`` key data) differ.
 """
@@ -107,6 +109,22 @@ def _key_impl(x: Any) -> str:
 
 def _mismatch(saved: dict, wanted: dict, where: str) -> str | None:
     """Why the state described by ``saved`` cannot be restored as ``wanted`` (None if it can)."""
+    extra = _extra_leading_axis(saved["leaves"], wanted["leaves"])
+    if extra is not None:
+        example = _example(saved["leaves"], wanted["leaves"])
+        return (f"{where} is worker-stacked (a leading worker axis of {extra} on every array leaf, e.g. {example}), "
+                "but this run's state has no worker axis: it was saved from the worker-stacked layout of a data-parallel "
+                f"run. Restore it into a worker-stacked target (compjax.parallel.replicate(state, mesh) or "
+                f"parallel.nnx_replicate(mesh, model, optimizer) on a mesh of {extra} workers, then restore), or "
+                "restore it so and take one worker's copy with compjax.parallel.unreplicate (nnx_unreplicate for NNX "
+                "objects)")
+    extra = _extra_leading_axis(wanted["leaves"], saved["leaves"])
+    if extra is not None:
+        example = _example(wanted["leaves"], saved["leaves"])
+        return (f"{where} has no worker axis (saved from one worker's state), but this run's state is worker-stacked "
+                f"(a leading worker axis of {extra} on every array leaf, e.g. {example}): restore it "
+                "into a one-worker target (the state before compjax.parallel.replicate / nnx_replicate, or "
+                "parallel.unreplicate of this one), then replicate what was restored")
     if saved["workers"] != wanted["workers"]:
         return (f"{where} was saved by {saved['workers']} workers, but this run has {wanted['workers']} workers: "
                 "restore onto the same worker count (worker-local state such as residuals is per worker)")
@@ -130,6 +148,29 @@ def _mismatch(saved: dict, wanted: dict, where: str) -> str | None:
             return (f"{where}: leaf {path} is {a or 'absent'} (shape, dtype) in the checkpoint but {b or 'absent'} "
                     "in this run (other compressor options, model or optimizer?)")
     return None
+
+
+def _extra_leading_axis(stacked: dict, plain: dict) -> int | None:
+    """``n`` if every array leaf of ``stacked`` is the leaf of ``plain`` at the same path with a leading axis of ``n``.
+
+    Leaves are ``{path: [shape, dtype]}`` (:func:`signature`); leaves of rank 0 in
+    ``plain`` (counters) count too.  None when the paths differ or any leaf does not fit.
+    """
+    if not stacked or set(stacked) != set(plain):
+        return None
+    lead = set()
+    for path, (shape, dtype) in stacked.items():
+        other = plain[path]
+        if not shape or list(shape[1:]) != list(other[0]) or dtype != other[1]:
+            return None
+        lead.add(shape[0])
+    return lead.pop() if len(lead) == 1 else None
+
+
+def _example(stacked: dict, plain: dict) -> str:
+    """One leaf of the two signatures, as ``path: (8, 3, 3, 1, 32) vs (3, 3, 1, 32)`` (the largest rank)."""
+    path = max(stacked, key=lambda p: len(stacked[p][0]))
+    return f"{path}: {tuple(stacked[path][0])} vs {tuple(plain[path][0])}"
 
 
 def _abstract(x: Any) -> Any:

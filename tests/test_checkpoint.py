@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -163,3 +164,28 @@ def test_extra_is_the_value_at_save_time(tmp_path, monkeypatch):
     assert extra["progress"] == {"done": 2, "losses": [0.5, 0.25]}
     np.testing.assert_array_equal(state["perm"], np.arange(1000))
     ck.close()
+
+
+def test_restoring_a_worker_stacked_checkpoint_into_one_worker_names_the_worker_axis(tmp_path):
+    """An NNX CNN saved worker-stacked by 8 workers, restored into the one-worker model (32 channels)."""
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+            self.head = nnx.Linear(32, 10, rngs=rngs)
+
+    model = CNN(nnx.Rngs(0))
+    plain = nnx.state(model, nnx.Param)
+    stacked_model = CNN(nnx.Rngs(0))
+    parallel.nnx_replicate(parallel.make_mesh(8), stacked_model)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, nnx.state(stacked_model, nnx.Param))
+        with pytest.raises(ValueError, match=r"is worker-stacked \(a leading worker axis of 8 on every array leaf, "
+                                             r"e\.g\. .*kernel.*: \(8, 3, 3, 1, 32\) vs \(3, 3, 1, 32\)\), but this "
+                                             r"run's state has no worker axis.*parallel\.replicate.*nnx_replicate"
+                                             r".*unreplicate") as err:
+            ckpt.restore(plain)
+        assert "32 workers" not in str(err.value)
+        restored, _ = ckpt.restore(nnx.state(stacked_model, nnx.Param))  # the worker-stacked target restores
+        assert jax.tree.leaves(restored)[0].shape[0] == 8

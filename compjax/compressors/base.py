@@ -65,8 +65,17 @@ from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
 
 __all__ = [
-    "COMMON_FIELDS", "Context", "Exchanged", "GRADS_SCOPE", "any_nonfinite", "check_axis", "compressor", "grads_scope",
-    "is_compressible", "silenced", "update_with_sent",
+    "COMMON_FIELDS",
+    "GRADS_SCOPE",
+    "Context",
+    "Exchanged",
+    "any_nonfinite",
+    "check_axis",
+    "compressor",
+    "grads_scope",
+    "is_compressible",
+    "silenced",
+    "update_with_sent",
 ]
 
 #: The fields every compressor state ends with.
