@@ -21,6 +21,7 @@ from compjax.accounting import (
     audit_collectives,
     bytes_by_issuer,
     format_collectives,
+    message_bytes,
     payload_bytes,
 )
 from compjax.algorithms import (
@@ -115,6 +116,7 @@ __all__ = [
     "federated",
     "format_collectives",
     "identity",
+    "message_bytes",
     "netmodel",
     "onebit",
     "parallel",

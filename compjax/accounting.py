@@ -33,6 +33,7 @@ __all__ = [
     "bytes_by_issuer",
     "collective_axes",
     "format_collectives",
+    "message_bytes",
     "payload_bytes",
 ]
 
@@ -170,6 +171,11 @@ def _key_name(k) -> str | None:
 def payload_bytes(opt_state: Any) -> np.ndarray:
     """Bytes put into collectives in the last step, summed over every compressor state in ``opt_state``.
 
+    Only what collectives carried counts: a compressor built with
+    ``axis_name=None`` sent nothing (one worker; or a ``jax.jit`` step whose
+    dense gradients XLA all-reduces), and reads 0 here; the size of the
+    message it would send is :func:`message_bytes`.
+
     Finds every ``payload_bytes`` counter in the tree: fields of compressor
     states inside any optax state (``optax.chain``, ``inject_hyperparams``,
     ``MultiSteps``, ...), entries of the same name in dicts (a state restored
@@ -202,15 +208,54 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
 
     Examples:
       >>> import jax.numpy as jnp, optax, compjax as cj
-      >>> tx = optax.chain(cj.topk(0.5), optax.sgd(0.1))
+      >>> import jax
+      >>> tx = optax.chain(cj.topk(0.5, axis_name="w"), optax.sgd(0.1))
+      >>> g = {"w": jnp.arange(8.0).reshape(2, 4)}   # two workers' gradients
+      >>> step = jax.vmap(tx.update, axis_name="w")
+      >>> _, state = step(g, jax.vmap(tx.init)(g))
+      >>> cj.payload_bytes(state).tolist()   # per worker: 2 int32 indices + 2 float32 values, and the 4-byte vote
+      [20, 20]
+    """
+    return _sum_counters(opt_state, "payload_bytes", sent_only=True)
+
+
+def message_bytes(opt_state: Any) -> np.ndarray:
+    """Bytes of the messages of the last step, sent or not: :func:`payload_bytes` plus what no collective carried.
+
+    A compressor built with ``axis_name=None`` (one worker; or inside a
+    ``jax.jit`` step over replicated parameters and a sharded batch, where XLA
+    all-reduces the dense gradients and the compressor sends nothing) counts
+    the bytes its message would take if it had a worker axis: that count is
+    read here, and reads 0 in :func:`payload_bytes`.  Use it for single-worker
+    estimates (compression ratios, the bytes a data-parallel run would send);
+    use :func:`payload_bytes` for what crossed the wire.  For compressors with
+    a worker axis the two agree.
+
+    Args:
+      opt_state: as for :func:`payload_bytes`.
+
+    Returns:
+      int64 NumPy array: a scalar for one worker's state, shape ``(n,)`` for a
+      worker-stacked state.
+
+    Raises:
+      ValueError, TypeError: as :func:`payload_bytes`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, compjax as cj
+      >>> tx = optax.chain(cj.topk(0.5), optax.sgd(0.1))   # axis_name=None: one worker, nothing sent
       >>> g = {"w": jnp.arange(4.0)}
       >>> _, state = tx.update(g, tx.init(g))
-      >>> int(cj.payload_bytes(state))   # 2 int32 indices + 2 float32 values
-      16
+      >>> int(cj.message_bytes(state)), int(cj.payload_bytes(state))   # 2 int32 indices + 2 float32 values
+      (16, 0)
     """
+    return _sum_counters(opt_state, "message_bytes", sent_only=False)
+
+
+def _sum_counters(opt_state: Any, who: str, sent_only: bool) -> np.ndarray:
     from compjax.replicas import check_replicas_agree
 
-    check_replicas_agree(opt_state, "payload_bytes", exact=False)  # worker-local state claimed replicated: refused
+    check_replicas_agree(opt_state, who, exact=False)  # worker-local state claimed replicated: refused
     tree = opt_state
     try:
         from flax import nnx
@@ -225,14 +270,15 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
         names = [n for n in names if n not in (None, "value", "raw_value")]
         if names and names[-1] == "payload_bytes":
             if isinstance(leaf, jax.core.Tracer):
-                raise TypeError("payload_bytes reads concrete state: call it outside jit, on the state a step returned")
-            found.append(bytecount.to_int(leaf))
+                raise TypeError(f"{who} reads concrete state: call it outside jit, on the state a step returned")
+            count = bytecount.to_int(leaf)
+            found.append(np.where(bytecount.is_sent(leaf), count, 0) if sent_only else count)
     if not found:
         raise ValueError(
             f"no compressor state with a payload_bytes counter found in a {type(opt_state).__name__}: pass the "
             "optimizer state of a chain that holds a compjax compressor (or nnx.state of an nnx.Optimizer)"
         )
-    return sum(found[1:], found[0])
+    return np.asarray(sum(found[1:], found[0]), np.int64)
 
 
 def _split_top(s: str) -> list[str]:

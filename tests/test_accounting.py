@@ -113,7 +113,8 @@ def test_payload_bytes_walks_chained_state():
     state = tx.init(params)
     assert int(cj.payload_bytes(state)) == 0
     _, state = tx.update({"w": jnp.ones((10, 10)), "b": jnp.ones(10)}, state, params)
-    assert int(cj.payload_bytes(state)) == (10 + 1) * (4 + 4)  # k = 10 and 1; int32 index + f32 value
+    assert int(cj.message_bytes(state)) == (10 + 1) * (4 + 4)  # k = 10 and 1; int32 index + f32 value
+    assert int(cj.payload_bytes(state)) == 0  # axis_name=None: one worker, nothing was sent
     with pytest.raises(ValueError, match="no compressor state"):
         cj.payload_bytes(optax.sgd(0.1).init(params))
 

@@ -144,7 +144,7 @@ def test_sampled_selection_gives_the_exact_update_on_large_layers():
         os_, ss = jax.jit(sampled.update)(g, ss)
         for k in shapes:
             np.testing.assert_array_equal(np.asarray(oe[k]), np.asarray(os_[k]))
-    assert int(cj.payload_bytes(ss)) == (200 + 1) * 8
+    assert int(cj.message_bytes(ss)) == (200 + 1) * 8
 
 
 def test_warmup_schedule_matches_the_paper():

@@ -84,3 +84,37 @@ def test_leftover_pmean_under_pmap_is_flagged_by_the_audit(mesh):
         ops = cj.audit_collectives(jax.pmap(pmap_style_step(tx, False), axis_name=AXIS), *args)
     assert not any(op.flag for op in ops)
     assert any(op.issuer is None for op in ops)  # the metrics pmean is listed, not flagged
+
+
+# --- the jit + NamedSharding form: no worker axis, nothing sent ------------------------------------------------
+
+
+def test_jit_named_sharding_step_reports_nothing_sent_and_keeps_the_message_size(mesh):
+    """NNX's data-parallel toy: nnx.jit over a replicated model and a batch sharded over the devices, topk inside."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(cj.topk(0.1), optax.sgd(0.1)), wrt=nnx.Param)
+    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), replicated))
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    x, y = (jax.device_put(v, data) for v in batch())
+    with pytest.warns(UserWarning, match=r"crossed the wire densely"):  # XLA's dense all-reduce of the gradients
+        ops = cj.audit_collectives(nnx.jit(lambda m, o, x, y: train_step(m, o, x, y)), model, optimizer, x, y)
+    train_step(model, optimizer, x, y)
+    k = -(-(8 * 16) // 10) + -(-16 // 10) + -(-16 // 10) + 1  # top-k of each layer (kernel, bias, kernel, bias)
+    assert int(cj.payload_bytes(optimizer)) == 0  # compjax sent nothing: not presented as sent
+    assert int(cj.message_bytes(optimizer)) == k * (4 + 4)  # what one worker's message would carry
+    assert accounting.bytes_by_issuer(ops)["compjax"] == 0

@@ -141,7 +141,7 @@ def test_twobit_residual_over_three_steps_matches_mxnet_rules():
             res[k] = p - dec
             np.testing.assert_allclose(np.asarray(out[k]), dec, atol=1e-6)
             np.testing.assert_allclose(np.asarray(state.residual[k]), res[k], atol=1e-6)
-    assert int(cj.payload_bytes(state)) == 4 * -(-35 // 16)  # 35 codes -> 3 words
+    assert int(cj.message_bytes(state)) == 4 * -(-35 // 16)  # 35 codes -> 3 words
 
 
 def test_signsgd_without_error_feedback_sends_the_scaled_sign():
@@ -153,7 +153,7 @@ def test_signsgd_without_error_feedback_sends_the_scaled_sign():
         assert state.residual is None
         for k, gk in g.items():
             np.testing.assert_allclose(np.asarray(out[k]), np_sign(gk), rtol=1e-6)
-    assert int(cj.payload_bytes(state)) == 4 * (1 + 1) + 4 * 2  # one word of signs per layer (20 and 4) + a scale each
+    assert int(cj.message_bytes(state)) == 4 * (1 + 1) + 4 * 2  # one word of signs per layer (20 and 4) + a scale each
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ def test_cast_one_worker_is_a_round_trip_through_the_dtype(dtype):
     out, state = tx.update(g, tx.init(g))
     want = np.asarray(g["w"].astype(jnp.dtype(dtype)).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(out["w"]), want)
-    assert out["w"].dtype == jnp.float32 and int(cj.payload_bytes(state)) == 2 * 15
+    assert out["w"].dtype == jnp.float32 and int(cj.message_bytes(state)) == 2 * 15
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -167,8 +167,8 @@ def test_payload_bytes_equals_audited_bytes(mesh, name):
 
 
 def payload_of(tx, params):
-    """payload_bytes of one update on one worker."""
-    return int(cj.payload_bytes(jax.jit(tx.update)(params, tx.init(params))[1]))
+    """The message size of one update on one worker (nothing is sent: message_bytes)."""
+    return int(cj.message_bytes(jax.jit(tx.update)(params, tx.init(params))[1]))
 
 
 def test_ratios_on_the_main_job_cnn():

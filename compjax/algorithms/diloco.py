@@ -221,7 +221,7 @@ def diloco(
       ...     params = optax.apply_updates(params, updates)
       >>> [round(float(x), 4) for x in params["w"]]   # one worker: Δ = 0.2, Nesterov step 0.7 * (1 + 0.9) * 0.2
       [0.734, 0.734, 0.734]
-      >>> int(cj.payload_bytes(state))   # the sync of step 2 sent 3 float32
+      >>> int(cj.message_bytes(state))   # the message of step 2's sync: 3 float32 (one worker: nothing sent)
       12
     """
     check_range("sync_every", sync_every, 1, None, integer=True, static=True)

@@ -45,9 +45,11 @@ transformation:
 State layout: the compressor's own fields, then ``count`` (int32: updates
 applied), ``skipped`` (int32: steps skipped for non-finite gradients) and
 ``payload_bytes`` (uint32 ``(2,)`` byte count of the last step, read with
-:func:`compjax.payload_bytes`).  Per-parameter fields (the residual, DGC's
-velocity and accumulation) are trees shaped like the parameters; leaves that
-pass through hold zeros there.
+:func:`compjax.payload_bytes`; with ``axis_name=None`` nothing is sent and
+the count, marked :func:`compjax.bytecount.unsent`, is the size of the
+message one worker would send, read with :func:`compjax.message_bytes`).
+Per-parameter fields (the residual, DGC's velocity and accumulation) are
+trees shaped like the parameters; leaves that pass through hold zeros there.
 """
 
 from __future__ import annotations
@@ -492,6 +494,8 @@ def compressor(
             for name, fd in fdims.items():
                 new[name] = _like(_map_dims(_own_shard, new[name], fd, fast), shards[name])
         nbytes = bytecount.constant(nbytes) if isinstance(nbytes, int) else nbytes
+        if axis_name is None:  # no worker axis: nothing crossed any wire; the count is the message's size only
+            nbytes = bytecount.unsent(nbytes)
         fields = dict(new)
         for name in trees:
             if fields[name] is not None:

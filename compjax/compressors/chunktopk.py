@@ -199,7 +199,7 @@ def chunktopk(
       >>> out, state = tx.update(g, tx.init(g))
       >>> [float(x) for x in out["w"][3]]
       [0.0, 0.0, 14.0, 15.0]
-      >>> int(cj.payload_bytes(state))   # 2 four-bit indices in one word + 2 float32
+      >>> int(cj.message_bytes(state))   # one worker, the message: 2 four-bit indices in one word + 2 float32
       12
     """
     check_range("chunk", chunk, 1, None, integer=True, static=True)

@@ -89,7 +89,7 @@ def e3m0(
       >>> out, state = tx.update(g, tx.init(g))
       >>> out["w"].tolist()
       [4.0, -0.5, 0.0, 0.0, 0.25, 1.0, -2.0, 0.125]
-      >>> int(cj.payload_bytes(state))
+      >>> int(cj.message_bytes(state))   # one worker: the size of the message (nothing is sent)
       8
     """
 

@@ -53,7 +53,7 @@ def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> opta
       >>> tx = cj.identity()
       >>> g = {"w": jnp.ones((2, 3))}
       >>> out, state = tx.update(g, tx.init(g))
-      >>> int(cj.payload_bytes(state))
+      >>> int(cj.message_bytes(state))   # one worker: the size of the message (nothing is sent)
       24
     """
 

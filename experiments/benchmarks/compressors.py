@@ -522,7 +522,7 @@ def run(args: argparse.Namespace) -> dict:
         times = time_interleaved(calls, args.repeats)
         floor_samples += times["floor"]
         med = {k: statistics.median(v) for k, v in times.items()}
-        nbytes = int(cj.payload_bytes(new_state))
+        nbytes = int(cj.message_bytes(new_state))  # one worker (axis_name=None): the message it would send
         rows.append({"name": name, "ms_median": med["update"], "ms_min": min(times["update"]),
                      "payload_bytes": nbytes, "ratio": dense / nbytes if nbytes else None,
                      "state_bytes_per_param": state_bytes(state) / n_params, "peak_bytes": peak_bytes(update),
