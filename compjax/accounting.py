@@ -176,6 +176,11 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
     dense gradients XLA all-reduces), and reads 0 here; the size of the
     message it would send is :func:`message_bytes`.
 
+    Under ``optax.MultiSteps`` the compressor's exchange runs on every
+    micro-step (MultiSteps computes the inner update each time and keeps it
+    only every ``k``-th): reading the count between two kept steps warns, as
+    it repeats the last kept step's count.
+
     Finds every ``payload_bytes`` counter in the tree: fields of compressor
     states inside any optax state (``optax.chain``, ``inject_hyperparams``,
     ``MultiSteps``, ...), entries of the same name in dicts (a state restored
@@ -205,6 +210,10 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
         counter was found (e.g. a chain without a compressor, or an object this
         function cannot read).
       TypeError: called on traced values (inside ``jit``): read the state after the step.
+
+    Warns:
+      UserWarning: a counter inside an ``optax.MultiSteps`` state read between
+        two kept steps (see above).
 
     Examples:
       >>> import jax.numpy as jnp, optax, compjax as cj
@@ -264,6 +273,7 @@ def _sum_counters(opt_state: Any, who: str, sent_only: bool) -> np.ndarray:
             tree = nnx.state(tree)
     except ImportError:  # pragma: no cover - flax is a dependency
         pass
+    _warn_micro_step(tree, who)
     found = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         names = [_key_name(k) for k in path]
@@ -279,6 +289,36 @@ def _sum_counters(opt_state: Any, who: str, sent_only: bool) -> np.ndarray:
             "optimizer state of a chain that holds a compjax compressor (or nnx.state of an nnx.Optimizer)"
         )
     return np.asarray(sum(found[1:], found[0]), np.int64)
+
+
+def _has_counter(tree: Any) -> bool:
+    return any(_key_name(path[-1]) == "payload_bytes" for path, _ in jax.tree_util.tree_leaves_with_path(tree) if path)
+
+
+def _warn_micro_step(tree: Any, who: str) -> None:
+    """Warn when a compressor's counter is read inside an ``optax.MultiSteps`` state between two kept steps.
+
+    ``optax.MultiSteps`` runs its inner transformation -- a compressor's
+    exchange included -- on every micro-step and keeps the new inner state only
+    every ``k``-th: the wire carries the payload on every micro-step while the
+    state keeps the count of the last kept step.
+    """
+    import optax
+
+    nodes = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+             if isinstance(x, optax.MultiStepsState)]
+    for node in nodes:
+        if isinstance(node.mini_step, jax.core.Tracer) or not _has_counter(node.inner_opt_state):
+            continue
+        if np.any(np.asarray(node.mini_step) != 0):
+            warnings.warn(
+                f"{who}: this state is between two kept steps of optax.MultiSteps (mini_step != 0). MultiSteps runs "
+                "the compressor's exchange on every micro-step and keeps its result only every k-th step, so the "
+                "wire carried a payload on this step too, while the count read here is that of the last kept step "
+                "(0 before the first). To exchange once per k micro-batches, accumulate the micro-batches' "
+                "gradients inside the step (one compressor update per step) instead of wrapping the compressor in "
+                "optax.MultiSteps", stacklevel=3)
+            return
 
 
 def _split_top(s: str) -> list[str]:

@@ -118,3 +118,58 @@ def test_jit_named_sharding_step_reports_nothing_sent_and_keeps_the_message_size
     assert int(cj.payload_bytes(optimizer)) == 0  # compjax sent nothing: not presented as sent
     assert int(cj.message_bytes(optimizer)) == k * (4 + 4)  # what one worker's message would carry
     assert accounting.bytes_by_issuer(ops)["compjax"] == 0
+
+
+# --- payload_bytes under optax's wrappers ----------------------------------------------------------------------
+
+
+def run_wrapped(tx, mesh, steps):
+    def train_step(p, s, x, y):
+        u, s = tx.update(jax.grad(mlp_loss)(p, x, y), s, p)
+        return optax.apply_updates(p, u), s
+
+    step = parallel.worker_step(train_step, mesh, batch_argnums=(2, 3))
+    p, s = parallel.replicate(PARAMS, mesh), parallel.replicate(tx.init(PARAMS), mesh)
+    x, y = batch()
+    audited = accounting.bytes_by_issuer(cj.audit_collectives(step, p, s, x, y))["compjax"]
+    states = []
+    for _ in range(steps):
+        p, s = step(p, s, x, y)
+        states.append(s)
+    return audited, states
+
+
+def test_multisteps_micro_steps_warn_that_the_exchange_ran_and_the_count_is_the_last_kept_one(mesh):
+    """optax.MultiSteps(k=4) around a top-k chain: the exchange runs on every micro-step (MultiSteps computes the
+    inner update each time and keeps it every 4th), so reading the count between kept steps warns."""
+    inner = optax.chain(cj.topk(0.1, axis_name=AXIS), optax.sgd(0.1))
+    audited, states = run_wrapped(optax.MultiSteps(inner, every_k_schedule=4), mesh, 8)
+    assert audited > 0  # the compiled step (every micro-step) carries the exchange
+    seen = []
+    for t, s in enumerate(states, start=1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen.append(int(cj.payload_bytes(s)[0]))
+        micro = t % 4 != 0
+        assert bool(caught) == micro, t
+        if micro:
+            assert "MultiSteps runs the compressor's exchange on every micro-step" in str(caught[0].message)
+            assert "accumulate the micro-batches' gradients inside the step" in str(caught[0].message)
+    assert seen == [0, 0, 0, audited] + [audited] * 4  # the kept count; the warning says what it is
+
+
+@pytest.mark.parametrize("wrap", ["apply_if_finite", "masked", "multi_transform", "inject_hyperparams", "k=1"])
+def test_wrappers_that_exchange_every_step_count_every_step_without_a_warning(mesh, wrap):
+    labels = {"w1": "c", "b1": "z", "w2": "c"}
+    txs = {
+        "apply_if_finite": lambda: optax.apply_if_finite(cj.topk(0.1, axis_name=AXIS), 3),
+        "masked": lambda: optax.masked(cj.topk(0.1, axis_name=AXIS), {"w1": True, "b1": False, "w2": True}),
+        "multi_transform": lambda: optax.multi_transform({"c": cj.topk(0.1, axis_name=AXIS),
+                                                          "z": optax.set_to_zero()}, labels),
+        "inject_hyperparams": lambda: optax.inject_hyperparams(cj.topk, static_args=("ratio",))(0.1, axis_name=AXIS),
+        "k=1": lambda: optax.MultiSteps(cj.topk(0.1, axis_name=AXIS), every_k_schedule=1),
+    }
+    audited, states = run_wrapped(optax.chain(txs[wrap](), optax.sgd(0.1)), mesh, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [int(cj.payload_bytes(s)[0]) for s in states] == [audited, audited]
