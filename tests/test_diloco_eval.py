@@ -311,3 +311,52 @@ def test_reproduction_reports_the_global_model_and_refuses_old_records():
     del results["streaming"]["val_loss_global"]  # an older DiLoCo record: its global model was never evaluated
     with pytest.raises(SystemExit, match="record of row 'streaming' has no val_loss_global"):
         repro.summarize(results, config)
+
+
+# --- Flax NNX: the global model of a model and its nnx.Optimizer -----------------------------------------------
+
+
+def test_nnx_global_model_and_swap_evaluate_the_global_model_of_a_worker_stacked_cnn(mesh):
+    """An NNX CNN trained by DiLoCo (H = 2) on 8 workers with worker_step: after step 3 the workers' local
+    parameters moved on; the global model is the one of the sync at step 2 (what the workers held right then)."""
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+            self.head = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.mean(nnx.relu(self.conv(x)), axis=(1, 2)))
+
+    model = CNN(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, cj.diloco(optax.sgd(0.1), sync_every=2, axis_name=AXIS), wrt=nnx.Param)
+    parallel.nnx_replicate(mesh, model, optimizer)
+
+    def train_step(model, optimizer, batch):
+        x, y = batch
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    step = parallel.worker_step(train_step, mesh)
+    rng = np.random.default_rng(0)
+    local = []
+    for _ in range(3):
+        batch = (jnp.asarray(rng.normal(size=(16, 6, 6, 1)), jnp.float32), jnp.asarray(rng.normal(size=(16, 2)),
+                                                                                        jnp.float32))
+        step(model, optimizer, batch)
+        local.append(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    glob = cj.diloco_global_model(model, optimizer)
+    got = nnx.to_pure_dict(nnx.state(glob, nnx.Param))
+    jax.tree.map(lambda g, s2, s3: (np.testing.assert_allclose(np.asarray(g), s2, atol=1e-6),
+                                    np.testing.assert_array_equal(np.asarray(g)[0], np.asarray(g)[1])), got,
+                 local[1], local[2])
+    assert any(not np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(local[1]), jax.tree.leaves(local[2])))
+    x = jnp.ones((1, 6, 6, 1))
+    want = parallel.nnx_unreplicate(glob)(x)  # the eval a user writes: one copy of the global model
+    with cj.diloco_swap_global(model, optimizer) as m:
+        np.testing.assert_array_equal(np.asarray(parallel.nnx_unreplicate(m)(x)), np.asarray(want))
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.Param)), local[2])  # put back
+    one = CNN(nnx.Rngs(0))  # one worker's model against the worker-stacked optimizer: refused, naming the layout
+    with pytest.raises(ValueError, match=r"same layout -- both worker-stacked by parallel.nnx_replicate"):
+        cj.diloco_global_model(one, optimizer)
