@@ -202,6 +202,64 @@ def test_fragment_rule_strides_layers():
     assert sorted(i for f in fragment_assignment(params, 6) for i in f) == list(range(9))
 
 
+def lm_params():
+    """The parameter tree of Flax's LM example: numbered attribute blocks under one module (Linen naming)."""
+    import jax.numpy as jnp
+
+    block = lambda: {"attn": {"kernel": jnp.ones((4, 4))}, "mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    return {"decoder": {"embed": {"embedding": jnp.ones((10, 4))},
+                        **{f"encoderdecoderblock_{i}": block() for i in range(4)},
+                        "encoderdecoder_norm": {"scale": jnp.ones(4)}, "step": jnp.zeros((), jnp.int32)}}
+
+
+def test_numbered_attribute_blocks_are_layers_and_fragments_stride_them(caplog):
+    params = lm_params()
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    frags = fragment_assignment(params, 2)
+    block_of = {i: p.split("]")[1] for i, p in enumerate(paths) if "encoderdecoderblock_" in p}
+    # Layers in leaf order: ['decoder'] (embed, norm), blocks 0, 1, 2, 3 -> fragments 0, 1, 0, 1, 0.
+    for b in range(4):  # every block whole in one fragment, the blocks strided over the fragments
+        where = {p for p, idx in enumerate(frags) for i in idx if block_of.get(i) == f"['encoderdecoderblock_{b}'"}
+        assert where == {(b + 1) % 2}, (b, where)
+    text = cj.algorithms.describe_fragments(params, 2)
+    assert text.splitlines()[1] == ("fragment 1: 112 parameters in 6 leaves: ['decoder']['encoderdecoderblock_0'], "
+                                    "['decoder']['encoderdecoderblock_2']")
+    with caplog.at_level("INFO", logger="compjax"):
+        cj.diloco(optax.sgd(0.1), sync_every=2, fragments=2, axis_name=None).init(params)
+    assert "cj.diloco splits the parameters into 2 fragments:\n" + text in caplog.text
+
+
+def test_a_users_fragment_assignment_is_used_and_checked_naming_the_parameter():
+    import jax.numpy as jnp
+
+    params = lm_params()
+    mine = jax.tree.map(lambda x: 0, params)
+    mine["decoder"]["encoderdecoderblock_3"] = jax.tree.map(lambda x: 1, mine["decoder"]["encoderdecoderblock_3"])
+    tx = cj.diloco(optax.sgd(0.1), sync_every=2, fragments=2, assignment=mine, axis_name=None)
+    state = tx.init(params)
+    assert [len(a) for a in state.anchor] == [11, 3]  # block 3's three leaves alone in fragment 1
+    by_fn = lambda path, x: int("encoderdecoderblock_3" in jax.tree_util.keystr(path))  # noqa: E731
+    assert fragment_assignment(params, 2, by_fn) == fragment_assignment(params, 2, mine)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    glob = cj.diloco_global_params(state, params, assignment=mine)
+    assert jax.tree.structure(glob) == jax.tree.structure(params)
+    bad = jax.tree.map(lambda x: 0, lm_params())
+    bad["decoder"]["embed"]["embedding"] = 2
+    with pytest.raises(ValueError, match=r"assignment gives the parameter \['decoder'\]\['embed'\]\['embedding'\] "
+                                         r"the fragment 2, outside \[0, 2\)"):
+        cj.diloco(optax.sgd(0.1), sync_every=2, fragments=2, assignment=bad, axis_name=None).init(lm_params())
+    bad["decoder"]["embed"]["embedding"] = None
+    with pytest.raises(ValueError, match=r"assignment gives the parameter .*embedding.* None: every floating-point"):
+        cj.diloco(optax.sgd(0.1), sync_every=2, fragments=2, assignment=bad, axis_name=None).init(lm_params())
+    with pytest.raises(ValueError, match=r"assignment leaves the fragments \[1\] without a parameter"):
+        fragment_assignment(lm_params(), 2, jax.tree.map(lambda x: 0, lm_params()))
+    with pytest.raises(ValueError, match=r"assignment must be a pytree shaped like the parameters"):
+        fragment_assignment(lm_params(), 2, {"decoder": 0})
+
+
 @pytest.mark.parametrize("tau", [0, 1])
 def test_each_fragment_syncs_once_per_period_and_the_peak_drops(tau):
     n, H, Pf = 4, 6, 3

@@ -13,9 +13,15 @@
 from compjax.algorithms import federated
 from compjax.algorithms.delayed import DelayedAveragingState, delayed_averaging, history_slots
 from compjax.algorithms.demo import DemoState, demo
-from compjax.algorithms.diloco import DilocoState, diloco, diloco_global_params, fragment_assignment
+from compjax.algorithms.diloco import (
+    DilocoState,
+    describe_fragments,
+    diloco,
+    diloco_global_params,
+    fragment_assignment,
+)
 from compjax.algorithms.diloco_nnx import diloco_global_model, diloco_swap_global
 from compjax.algorithms.sparseloco import sparseloco
 
-__all__ = ["DelayedAveragingState", "DemoState", "DilocoState", "delayed_averaging", "demo", "diloco",
+__all__ = ["DelayedAveragingState", "DemoState", "DilocoState", "delayed_averaging", "demo", "describe_fragments", "diloco",
            "diloco_global_model", "diloco_global_params", "diloco_swap_global", "federated", "fragment_assignment", "history_slots", "sparseloco"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from compjax import bytecount, collectives, layout
@@ -14,6 +17,8 @@ from compjax._checks import check_range
 from compjax.collectives import AxisName
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
 from compjax.compressors.identity import identity
+
+_LOG = logging.getLogger("compjax")
 
 
 class DilocoState(NamedTuple):
@@ -62,29 +67,99 @@ def _is_index(k) -> bool:
     return isinstance(getattr(k, "key", None), int) and not isinstance(getattr(k, "key", None), bool)
 
 
+_NUMBERED = re.compile(r"^[A-Za-z]\w*_\d+$")  # a numbered attribute: encoderdecoderblock_0, Dense_3, layers_12
+
+
+def _key_text(k) -> str | None:
+    for attr in ("name", "key"):
+        v = getattr(k, attr, None)
+        if isinstance(v, str):
+            return v
+    return None
+
+
+def _is_numbered(k) -> bool:
+    text = _key_text(k)
+    return text is not None and _NUMBERED.match(text) is not None
+
+
 def _layer_of(path: tuple) -> tuple:
-    """The layer a leaf belongs to: its path up to the first list index, else its first key."""
-    for i, k in enumerate(path):
-        if _is_index(k):
+    """The layer a leaf belongs to: its path up to the first list index or numbered attribute, else its first key."""
+    for i, k in enumerate(path[:-1]):  # the leaf's own name is never its layer
+        if _is_index(k) or _is_numbered(k):
             return tuple(path[: i + 1])
+    if path and _is_index(path[-1]):
+        return tuple(path)
     return tuple(path[:1])
 
 
-def fragment_assignment(params: Any, fragments: int) -> list[list[int]]:
+def _assigned(params: Any, fragments: int, assignment: Any) -> list[int | None]:
+    """The fragment of every leaf (None for leaves never synchronized) from a user's ``assignment``."""
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    if callable(assignment):
+        given = [assignment(path, x) if _is_float_leaf(x) else None for path, x in flat]
+    else:
+        try:
+            given = jax.tree.structure(params).flatten_up_to(assignment)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "assignment must be a pytree shaped like the parameters (one fragment index per leaf) or a function "
+                f"(key_path, leaf) -> fragment index; its structure does not match the parameters': {e}"
+            ) from None
+    out = []
+    for (path, x), f in zip(flat, given):
+        if not _is_float_leaf(x):
+            out.append(None)
+            continue
+        name = jax.tree_util.keystr(path)
+        if isinstance(f, bool) or not isinstance(f, (int, np.integer)):
+            raise ValueError(f"assignment gives the parameter {name} {f!r}: every floating-point leaf needs a "  # noqa: TRY004
+                             f"fragment index, an int in [0, {fragments})")
+        if not 0 <= int(f) < fragments:
+            raise ValueError(f"assignment gives the parameter {name} the fragment {int(f)}, outside [0, {fragments}) "
+                             f"(fragments={fragments})")
+        out.append(int(f))
+    empty = sorted(set(range(fragments)) - {f for f in out if f is not None})
+    if empty:
+        raise ValueError(f"assignment leaves the fragments {empty} without a parameter: give each of the "
+                         f"{fragments} fragments at least one floating-point leaf, or lower fragments")
+    return out
+
+
+def fragment_assignment(params: Any, fragments: int, assignment: Any = None) -> list[list[int]]:
     """Which leaves of ``params`` each fragment holds (indices into ``jax.tree.leaves(params)``).
 
     The rule, for any pytree: only floating-point leaves with at least one
     element take part (others are never synchronized).  A leaf's *layer* is its
-    key path up to and including the first sequence index (``("blocks", 3)``
-    for every leaf of the fourth entry of a list of blocks), or its first key
-    when the path has no index (``("embed",)``); layers are numbered in the
-    order of ``jax.tree.leaves``.  With at least ``fragments`` layers, layer
-    ``j`` goes to fragment ``j mod fragments`` (strided, as the paper strides
-    transformer blocks); with fewer layers, leaf ``i`` goes to fragment
-    ``i mod fragments``.
+    key path up to and including the first key (other than the leaf's own
+    name) that is a sequence index (``("blocks", 3)`` for every leaf of the
+    fourth entry of a list of blocks, an ``nnx.List``) or a **numbered
+    attribute**, a name ending in ``_<digits>`` (``("decoder",
+    "encoderdecoderblock_2")`` for the blocks of Flax's LM example, Linen's
+    ``Dense_0``, ``self.block_3``); when the path has neither, its first key
+    (``("embed",)``).  Layers are numbered in the order of ``jax.tree.leaves``.
+    With at least ``fragments`` layers, layer ``j`` goes to fragment
+    ``j mod fragments`` (strided, as the paper strides transformer blocks);
+    with fewer layers, leaf ``i`` goes to fragment ``i mod fragments``.
+    :func:`describe_fragments` prints the split.
+
+    Args:
+      params: the parameters (any pytree).
+      fragments: the number of fragments, an int >= 1.
+      assignment: a split of one's own instead of the rule: a pytree shaped
+        like ``params`` holding each leaf's fragment index (any value at the
+        leaves never synchronized), or a function ``(key_path, leaf) ->
+        fragment index`` called on every floating-point leaf.
+
+    Returns:
+      ``fragments`` lists of leaf indices, each in increasing order.
 
     Raises:
-      ValueError: ``fragments`` larger than the number of such leaves.
+      ValueError: ``fragments`` larger than the number of floating-point
+        leaves; an ``assignment`` whose structure does not match ``params``,
+        that leaves a floating-point leaf without an int index, gives an
+        index outside ``[0, fragments)`` or leaves a fragment empty (naming
+        the parameter).
     """
     paths = [
         (i, path)
@@ -96,6 +171,9 @@ def fragment_assignment(params: Any, fragments: int) -> list[list[int]]:
             f"fragments must be an integer in [1, {len(paths)}] (the number of floating-point parameter "
             f"leaves), got {fragments}"
         )
+    if assignment is not None:
+        given = _assigned(params, fragments, assignment)
+        return [[i for i, f in enumerate(given) if f == p] for p in range(fragments)]
     layers: dict[tuple, int] = {}
     for _, path in paths:
         layers.setdefault(_layer_of(path), len(layers))
@@ -104,6 +182,32 @@ def fragment_assignment(params: Any, fragments: int) -> list[list[int]]:
         frag = layers[_layer_of(path)] % fragments if len(layers) >= fragments else j % fragments
         out[frag].append(i)
     return out
+
+
+def describe_fragments(params: Any, fragments: int, assignment: Any = None) -> str:
+    """How :func:`diloco` splits ``params`` into fragments: one line per fragment, its layers and parameter count.
+
+    Args:
+      params, fragments, assignment: as for :func:`fragment_assignment`.
+
+    Returns:
+      ``fragments`` lines ``fragment p: N parameters in L leaves: <layers>``
+      (layers as key paths, e.g. ``['decoder']['encoderdecoderblock_0']``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> params = {"block_0": {"w": jnp.ones((2, 2))}, "block_1": {"w": jnp.ones((2, 2))}, "head": jnp.ones(2)}
+      >>> print(describe_fragments(params, 2))
+      fragment 0: 6 parameters in 2 leaves: ['block_0'], ['head']
+      fragment 1: 4 parameters in 1 leaves: ['block_1']
+    """
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    lines = []
+    for p, idx in enumerate(fragment_assignment(params, fragments, assignment)):
+        layers = list(dict.fromkeys(jax.tree_util.keystr(_layer_of(flat[i][0])) for i in idx))
+        size = sum(int(np.size(flat[i][1])) for i in idx)
+        lines.append(f"fragment {p}: {size:,} parameters in {len(idx)} leaves: {', '.join(layers)}")
+    return "\n".join(lines)
 
 
 def diloco(
@@ -116,6 +220,7 @@ def diloco(
     alpha: float = 0.5,
     compressor: optax.GradientTransformation | None = None,
     skip_nonfinite: bool = True,
+    assignment: Any = None,
     axis_name: AxisName,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``sync_every`` local inner steps, then an outer step on the averaged outer gradient.
@@ -191,6 +296,14 @@ def diloco(
         gradients (its state kept per fragment), or None for a float32 dense
         all-reduce (:func:`compjax.identity`).
       skip_nonfinite: skip a worker's inner step when its gradient is not finite.
+      assignment: the split into fragments, if not by the rule of
+        :func:`fragment_assignment` (numbered layers strided over the
+        fragments): a pytree like the parameters holding each leaf's fragment
+        index, or a function ``(key_path, leaf) -> fragment index``; checked at
+        ``init`` (every floating-point leaf assigned, indices in
+        ``[0, fragments)``, no fragment empty).  Pass the same to
+        :func:`diloco_global_params`.  ``init`` logs the split (logger
+        ``compjax``, level INFO; :func:`describe_fragments`).
       axis_name: the worker axis (None: one worker).
 
     Returns:
@@ -201,8 +314,8 @@ def diloco(
       ValueError: ``sync_every < 1``, ``fragments < 1``, ``overlap`` outside
         ``[0, sync_every)``, ``alpha`` outside ``[0, 1]``, ``inner``, ``outer`` or
         ``compressor`` not an optax transformation (build time); ``fragments``
-        more than the parameter leaves (``init``); ``update`` called without
-        ``params``.
+        more than the parameter leaves, or a bad ``assignment`` (``init``,
+        naming the parameter); ``update`` called without ``params``.
 
     References:
       Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam &
@@ -247,7 +360,10 @@ def diloco(
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
-        frags = fragment_assignment(params, P)
+        frags = fragment_assignment(params, P, assignment)
+        if P > 1:
+            _LOG.info("cj.diloco splits the parameters into %d fragments:\n%s", P,
+                      describe_fragments(params, P, assignment))
         anchor = tuple([jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in frags)
         return DilocoState(
             inner=inner_tx.init(params),
@@ -301,7 +417,7 @@ def diloco(
         u_leaves = jax.tree.leaves(updates)
         if len(u_leaves) != len(p_leaves):
             raise ValueError("the inner optimizer's updates do not match params: was the state built for them?")
-        frags = fragment_assignment(params, P)
+        frags = fragment_assignment(params, P, assignment)
         s = state.count + 1  # inner steps done after this one
         anchors, outers, comms, pendings = [], [], [], []
         for p, idx in enumerate(frags):
@@ -356,7 +472,7 @@ def _find_diloco_state(opt_state: Any) -> DilocoState:
     return found[0]
 
 
-def diloco_global_params(opt_state: Any, params: Any) -> Any:
+def diloco_global_params(opt_state: Any, params: Any, *, assignment: Any = None) -> Any:
     r"""The global model of a DiLoCo or Streaming DiLoCo run: the parameters to evaluate.
 
     Between synchronizations each worker trains its own local parameters
@@ -400,6 +516,7 @@ def diloco_global_params(opt_state: Any, params: Any) -> Any:
       params: the parameters the state was built for, in the same layout as
         ``opt_state`` (one worker's, or worker-stacked with the same ``n``);
         e.g. the workers' local parameters.
+      assignment: the ``assignment`` given to :func:`diloco`, if any.
 
     Returns:
       A tree like ``params``, every leaf of the same shape and dtype: the
@@ -444,7 +561,7 @@ def diloco_global_params(opt_state: Any, params: Any) -> Any:
             f"leaves, the DilocoState's global copy {n_global}"
         )
     out = [jnp.array(x, copy=True) for x in leaves]
-    for idx, anchor in zip(fragment_assignment(params, len(state.anchor)), state.anchor):
+    for idx, anchor in zip(fragment_assignment(params, len(state.anchor), assignment), state.anchor):
         if len(idx) != len(anchor):
             raise ValueError(
                 f"params must be the parameters opt_state was built for: their fragments hold "

@@ -31,25 +31,25 @@ def _arrays(tree: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _global_state(model: Any, optimizer: Any, wrt: Any) -> Any:
+def _global_state(model: Any, optimizer: Any, wrt: Any, assignment: Any = None) -> Any:
     from flax import nnx
 
     if not isinstance(model, nnx.Module):
-        raise ValueError(f"model must be the nnx.Module the optimizer trains, got {type(model).__name__}")
+        raise ValueError(f"model must be the nnx.Module the optimizer trains, got {type(model).__name__}")  # noqa: TRY004
     opt_state = getattr(optimizer, "opt_state", None)
     if opt_state is None:
         raise ValueError(f"optimizer must be an nnx.Optimizer (with an opt_state), got {type(optimizer).__name__}")
     wrt = getattr(optimizer, "wrt", nnx.Param) if wrt is None else wrt
     params = nnx.state(model, wrt)
     try:
-        return diloco_global_params(_arrays(opt_state), _arrays(params))
+        return diloco_global_params(_arrays(opt_state), _arrays(params), assignment=assignment)
     except ValueError as e:
         raise ValueError(f"{e} (model: the nnx.Module the optimizer was built for, in the same layout -- both "
                          "worker-stacked by parallel.nnx_replicate or both one worker's; wrt: the optimizer's "
                          f"filter, here {wrt!r})") from None
 
 
-def diloco_global_model(model: Any, optimizer: Any, *, wrt: Any = None) -> Any:
+def diloco_global_model(model: Any, optimizer: Any, *, wrt: Any = None, assignment: Any = None) -> Any:
     """A copy of ``model`` holding DiLoCo's global parameters: the model to evaluate.
 
     The parameters ``optimizer`` trains (``wrt``, by default the optimizer's
@@ -65,6 +65,7 @@ def diloco_global_model(model: Any, optimizer: Any, *, wrt: Any = None) -> Any:
       optimizer: its ``nnx.Optimizer``, whose transformation holds one
         :func:`compjax.diloco` (alone or inside optax combinators).
       wrt: the optimizer's Variable filter, if it has none of its own.
+      assignment: the ``assignment`` given to :func:`compjax.diloco`, if any.
 
     Returns:
       A new ``nnx.Module`` like ``model`` (worker-stacked if ``model`` is:
@@ -91,14 +92,14 @@ def diloco_global_model(model: Any, optimizer: Any, *, wrt: Any = None) -> Any:
     """
     from flax import nnx
 
-    state = _global_state(model, optimizer, wrt)
+    state = _global_state(model, optimizer, wrt, assignment)
     copy = nnx.clone(model)
     nnx.update(copy, state)
     return copy
 
 
 @contextlib.contextmanager
-def diloco_swap_global(model: Any, optimizer: Any, *, wrt: Any = None) -> Iterator[Any]:
+def diloco_swap_global(model: Any, optimizer: Any, *, wrt: Any = None, assignment: Any = None) -> Iterator[Any]:
     """Inside the ``with`` block, ``model`` holds DiLoCo's global parameters; afterwards its local ones again.
 
     For an evaluation loop written against the training model (``model.eval()``,
@@ -109,7 +110,7 @@ def diloco_swap_global(model: Any, optimizer: Any, *, wrt: Any = None) -> Iterat
     from the same local parameters.  Do not train inside the block.
 
     Args:
-      model, optimizer, wrt: as for :func:`diloco_global_model`.
+      model, optimizer, wrt, assignment: as for :func:`diloco_global_model`.
 
     Yields:
       ``model`` itself.
@@ -133,7 +134,7 @@ def diloco_swap_global(model: Any, optimizer: Any, *, wrt: Any = None) -> Iterat
     """
     from flax import nnx
 
-    state = _global_state(model, optimizer, wrt)
+    state = _global_state(model, optimizer, wrt, assignment)
     wrt = getattr(optimizer, "wrt", nnx.Param) if wrt is None else wrt
     local = jax.tree.map(lambda x: x, _arrays(nnx.state(model, wrt)))  # the local values, kept aside
     nnx.update(model, state)
