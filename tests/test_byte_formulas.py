@@ -55,13 +55,15 @@ def test_chunktopk_bytes_equal_payload_bytes_and_the_audited_program(values, dct
 
 
 @pytest.mark.parametrize("values", VALUE_FORMATS)
-def test_chunktopk_bytes_equal_one_workers_payload_bytes(values):
-    """One worker (no collective, no vote): ``payload_bytes`` after a step is the formula, for each value format."""
+def test_chunktopk_bytes_equal_one_workers_message_bytes(values):
+    """One worker (no collective, no vote): ``message_bytes`` after a step is the formula, for each value format
+    (``payload_bytes`` is 0: nothing crossed a wire)."""
     tx = cj.chunktopk(K, chunk=CHUNK, values=values)
     rng = np.random.default_rng(1)
     g = {k: jnp.asarray(rng.normal(size=s), d) for k, (s, d) in SHAPES.items()}
     _, state = jax.jit(tx.update)(g, tx.init(g))
-    assert int(cj.payload_bytes(state)) == cj.chunktopk_bytes([s for s, _ in SHAPES.values()], K, chunk=CHUNK,
+    assert int(cj.payload_bytes(state)) == 0
+    assert int(cj.message_bytes(state)) == cj.chunktopk_bytes([s for s, _ in SHAPES.values()], K, chunk=CHUNK,
                                                              values=values)
 
 

@@ -14,7 +14,7 @@ synchronization.  Here each learner runs its own training step and never waits f
 * :class:`Transport` -- what both sides need of the network; :class:`InProcessTransport` runs them
   as threads of one process.
 * :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :func:`message_bytes` --
-  how a contribution's bytes are counted (the compressor's ``payload_bytes``).
+  how a contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
 
 With ``min_quorum`` = all learners, no grace limit and learners that wait for each merge
 (``wait_for_merge=True``), the system computes the global parameters of :func:`compjax.diloco`

@@ -12,11 +12,13 @@ from compjax import accounting
 
 
 def message_bytes(comm_state: Any) -> int:
-    """The bytes one contribution counts: the compressor's ``payload_bytes`` after it encoded the message.
+    """The bytes one contribution counts: the compressor's message size after it encoded the message.
 
     The one place where a decoupled learner's sends are counted, in the same unit as every
-    compjax compressor (:func:`compjax.payload_bytes`: the exact bytes of the compressed payload
-    of the last ``update``).  A transport's own framing is not included.
+    compjax compressor (:func:`compjax.message_bytes`: the exact bytes of the compressed payload
+    of the last ``update``; the learner's compressor has no worker axis, so no collective carries it
+    and :func:`compjax.payload_bytes` reads 0 — the transport carries it instead).  A transport's own
+    framing is not included.
 
     Args:
       comm_state: the state a compjax compressor returned from the ``update`` that encoded the
@@ -26,7 +28,7 @@ def message_bytes(comm_state: Any) -> int:
       The byte count, a Python int >= 0.
 
     Raises:
-      ValueError: ``comm_state`` holds no ``payload_bytes`` counter (not a compjax compressor's state).
+      ValueError: ``comm_state`` holds no byte counter (not a compjax compressor's state).
 
     Examples:
       >>> import jax.numpy as jnp, compjax as cj
@@ -35,7 +37,7 @@ def message_bytes(comm_state: Any) -> int:
       >>> message_bytes(state)   # three float32
       12
     """
-    return int(accounting.payload_bytes(comm_state))
+    return int(accounting.message_bytes(comm_state))
 
 
 @dataclasses.dataclass(frozen=True)
