@@ -23,6 +23,7 @@ from compjax.accounting import (
     format_collectives,
     message_bytes,
     payload_bytes,
+    worker_bytes,
 )
 from compjax.algorithms import (
     DelayedAveragingState,
@@ -134,5 +135,6 @@ __all__ = [
     "terngrad",
     "topk",
     "twobit",
+    "worker_bytes",
     "workers",
 ]

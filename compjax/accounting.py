@@ -30,11 +30,13 @@ __all__ = [
     "Collective",
     "audit_collectives",
     "bytes_by_axes",
+    "branch_bytes",
     "bytes_by_issuer",
     "collective_axes",
     "format_collectives",
     "message_bytes",
     "payload_bytes",
+    "worker_bytes",
 ]
 
 #: HLO opcodes counted as collectives (async ``-start`` forms included; ``-done`` skipped).
@@ -101,6 +103,12 @@ class Collective(NamedTuple):
         collective it came from (read from the combined instruction's
         ``(name:name:...)`` op name or from the ``get-tuple-element`` that
         replaced each original).
+      branch: where the collective sits among the program's conditionals
+        (``lax.cond``/``lax.switch``, e.g. DiLoCo's sync and no-sync steps): one
+        ``(conditional instruction, branch index)`` pair per enclosing
+        conditional, outermost first; ``()`` outside any.  A program runs one
+        branch of each conditional per step: :func:`worker_bytes` adds the
+        bytes of the largest.
       flag: ``""``, or :data:`DENSE_GRADIENTS` for a floating-point all-reduce
         not issued by compjax in a program whose such all-reduces carry at
         least as many bytes as the gradients a compressor of the program was
@@ -114,6 +122,7 @@ class Collective(NamedTuple):
     replica_groups: tuple | None = None
     scopes: tuple = ()
     flag: str = ""
+    branch: tuple = ()
 
     @property
     def dtype(self) -> str:
@@ -188,12 +197,14 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
     ``nnx.Optimizer`` itself).  The counters are exact byte counts held as two
     uint32 words (:mod:`compjax.bytecount`), read on the host.
 
-    On a 2-D mesh (a slow axis between hosts, a fast one inside each,
-    :func:`compjax.parallel.make_2d_mesh`), the count is per worker, that is
-    per host, over the slow link: each of the host's ``fast`` devices sends
-    ``1/fast`` of it, so bytes per device are this count divided by ``fast``
-    (replicated or sharded parameters alike); the entries of the host's
-    devices repeat the host's count.
+    **One unit on every layout: bytes per worker over the slow link, in the
+    step actually taken.**  On a 2-D mesh (a slow axis between hosts, a fast
+    one inside each, :func:`compjax.parallel.make_2d_mesh`) a worker is a
+    host: each of its ``fast`` devices sends ``1/fast`` of the count, and the
+    result has one entry per host whether the parameters are replicated over
+    the fast axis (``fast_axis=``) or sharded (``specs=``).  A step that sent
+    nothing (DiLoCo between syncs) reads 0.  :func:`worker_bytes` reads the
+    audit of the compiled step in the same unit.
 
     Args:
       opt_state: an optax state pytree, an NNX ``State`` or NNX object; one
@@ -201,7 +212,7 @@ def payload_bytes(opt_state: Any) -> np.ndarray:
 
     Returns:
       int64 NumPy array: a scalar for one worker's state, shape ``(n,)`` for a
-      worker-stacked state (one entry per worker).
+      worker-stacked state (one entry per worker: per host on a 2-D mesh).
 
     Raises:
       ValueError: an array sharded as replicated whose copies differ across
@@ -282,13 +293,31 @@ def _sum_counters(opt_state: Any, who: str, sent_only: bool) -> np.ndarray:
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(f"{who} reads concrete state: call it outside jit, on the state a step returned")
             count = bytecount.to_int(leaf)
-            found.append(np.where(bytecount.is_sent(leaf), count, 0) if sent_only else count)
+            found.append(_per_worker(leaf, np.where(bytecount.is_sent(leaf), count, 0) if sent_only else count,
+                                     "/".join(n for n in names if n)))
     if not found:
         raise ValueError(
             f"no compressor state with a payload_bytes counter found in a {type(opt_state).__name__}: pass the "
             "optimizer state of a chain that holds a compjax compressor (or nnx.state of an nnx.Optimizer)"
         )
     return np.asarray(sum(found[1:], found[0]), np.int64)
+
+
+def _per_worker(leaf: Any, count: np.ndarray, where: str) -> np.ndarray:
+    """One entry per worker: a counter stacked over several mesh axes keeps each worker's first device's.
+
+    In the replicated 2-D layout (``replicate(..., fast_axis=...)``) the
+    leading axis runs over ``(slow, fast)``: every device of a host holds the
+    host's count.  The entries of one worker must agree (a ValueError otherwise).
+    """
+    spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+    if not spec or np.ndim(count) < 1 or not isinstance(spec[0], tuple) or len(spec[0]) < 2:
+        return count
+    workers = leaf.sharding.mesh.shape[spec[0][0]]
+    grouped = np.asarray(count).reshape(workers, -1, *np.shape(count)[1:])
+    if not (grouped == grouped[:, :1]).all():
+        raise ValueError(f"the devices of one worker hold different byte counts in {where}: {grouped.tolist()}")
+    return grouped[:, 0]
 
 
 def _has_counter(tree: Any) -> bool:
@@ -598,7 +627,54 @@ def _collectives_of_hlo(text: str) -> list[Collective]:
         arrays = [a for part in per_operand for a in part]
         scopes = tuple(s for part, s in zip(per_operand, names) for _ in part)
         out.append(Collective(op, tuple(arrays), _nbytes(arrays), name, groups, scopes))
+    branches = _branches_of_hlo(text)
+    out = [o._replace(branch=branches.get(o.name, ())) for o in out]
     return _flag_dense_gradients(out, _grads_bytes(text))
+
+
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_CALLS_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+
+
+def _branches_of_hlo(text: str) -> dict[str, tuple]:
+    """For each instruction of an HLO module's text, the conditionals' branches that enclose it.
+
+    Returns ``{instruction name: ((conditional name, branch index), ...)}``,
+    outermost first (``()`` outside any conditional).  Branches are read from
+    ``branch_computations={%a, %b}`` (``lax.switch``, and ``lax.cond`` with
+    an integer index) and ``true_computation=``/``false_computation=`` (a
+    boolean predicate: branch 0 is the true one); a computation called from
+    another (fusions, loops, reductions) inherits its caller's branches.
+    """
+    where: dict[str, str] = {}  # instruction -> its computation
+    parent: dict[str, tuple[str, tuple]] = {}  # computation -> (calling computation, branch label or ())
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if (m := _COMPUTATION_RE.match(line)) and "=" not in line.split("(")[0]:
+            current = m.group(1)
+            continue
+        if current is None or not (im := re.match(r"(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)):
+            continue
+        name = im.group(1)
+        where[name] = current
+        if (bm := re.search(r"branch_computations=\{([^}]*)\}", line)):
+            for i, c in enumerate(re.findall(r"%?([\w.\-]+)", bm.group(1))):
+                parent.setdefault(c, (current, ((name, i),)))
+        for kind, index in (("true_computation", 0), ("false_computation", 1)):
+            if (tm := re.search(rf"\b{kind}=%?([\w.\-]+)", line)):
+                parent.setdefault(tm.group(1), (current, ((name, index),)))
+        for c in _CALLS_RE.findall(line):
+            parent.setdefault(c, (current, ()))
+
+    def path(comp: str, seen: frozenset = frozenset()) -> tuple:
+        if comp not in parent or comp in seen:
+            return ()
+        caller, label = parent[comp]
+        return path(caller, seen | {comp}) + label
+
+    memo: dict[str, tuple] = {}
+    return {name: memo.setdefault(comp, path(comp)) for name, comp in where.items()}
 
 
 def _operand_scopes(name: str, op_name: str, n: int, dones: dict, gtes: dict) -> list[str]:
@@ -725,6 +801,100 @@ def bytes_by_axes(ops: list[Collective], mesh: Any, issuer: str | None = "compja
         for (d, shape), who in zip(op.operands, op.issuers):
             if issuer is None or (who or "other") == issuer:
                 out[axes] = out.get(axes, 0) + _array_bytes(d, shape)
+    return out
+
+
+def worker_bytes(ops: list[Collective], mesh: Any = None, axis_name: str = "data",
+                 issuer: str | None = "compjax") -> int:
+    """Audited bytes per worker over the worker axis in one step: the unit of :func:`payload_bytes`.
+
+    The audit is per device (each device's operands); :func:`payload_bytes`
+    is per worker (a slow-axis replica: a host on a ``slow x fast`` mesh) over
+    the slow link.  This puts the audit in that unit: the operand bytes of the
+    collectives that run over ``axis_name``, times the devices of one worker
+    (``fast``; 1 on a 1-D mesh), each of which sends its part.  Collectives
+    inside conditionals (``lax.cond``: DiLoCo's sync and no-sync steps,
+    delayed averaging's exchange) count the largest branch of each, so the
+    result is that of a step that sends; on a step that sends nothing,
+    ``payload_bytes`` reads 0.
+
+    Args:
+      ops: the output of :func:`audit_collectives`.
+      mesh: the mesh the program was compiled for, or None (a 1-D mesh or
+        ``pmap``: every collective runs over the worker axis, one device per worker).
+      axis_name: the worker (slow) axis.
+      issuer: count only operands of this issuer (``"compjax"``: what
+        :func:`payload_bytes` counts), or None for all.
+
+    Returns:
+      Bytes per worker, an int.
+
+    Raises:
+      ValueError: ``axis_name`` not an axis of ``mesh``.
+
+    Examples:
+      >>> ops = [Collective("all-gather", (("u32", (4,)),), 16, "ag", ((0, 4), (1, 5), (2, 6), (3, 7)),
+      ...                   ("jit(f)/compjax/gathered_mean/all_gather",))]
+      >>> from compjax import parallel
+      >>> worker_bytes(ops, parallel.make_2d_mesh(2, 4))   # each of a host's 4 devices sends 16 bytes
+      64
+    """
+    counts = _worker_counts(ops, mesh, axis_name, issuer)
+
+    def total(prefix: tuple) -> int:
+        here = sum(n for branch, n in counts if branch == prefix)
+        nested: dict[str, dict[int, None]] = {}
+        for branch, _ in counts:
+            if len(branch) > len(prefix) and branch[: len(prefix)] == prefix:
+                cond, idx = branch[len(prefix)]
+                nested.setdefault(cond, {})[idx] = None
+        return here + sum(max(total(prefix + ((cond, i),)) for i in idxs) for cond, idxs in nested.items())
+
+    return total(())
+
+
+def branch_bytes(ops: list[Collective], mesh: Any = None, axis_name: str = "data",
+                 issuer: str | None = "compjax") -> dict[tuple, int]:
+    """Audited bytes per worker over the worker axis, by the conditional branch the collectives sit in.
+
+    :func:`worker_bytes` adds the largest branch of every conditional: for a
+    program whose conditionals fire on different steps (Streaming DiLoCo: one
+    conditional per fragment, each on its own schedule) that is more than any
+    one step sends.  Here each branch is apart, so a step's
+    :func:`payload_bytes` can be matched to the branches it took: the
+    unconditional bytes (key ``()``) plus those of the branches that ran.
+
+    Args:
+      ops, mesh, axis_name, issuer: as for :func:`worker_bytes`.
+
+    Returns:
+      ``{branch: bytes per worker}``, ``branch`` as :attr:`Collective.branch`
+      (``()`` for collectives outside any conditional); branches without a
+      counted collective are left out.
+
+    Raises:
+      ValueError: ``axis_name`` not an axis of ``mesh``.
+    """
+    out: dict[tuple, int] = {}
+    for branch, n in _worker_counts(ops, mesh, axis_name, issuer):
+        if n:
+            out[branch] = out.get(branch, 0) + n
+    return out
+
+
+def _worker_counts(ops, mesh, axis_name, issuer) -> list[tuple[tuple, int]]:
+    """``(branch, bytes per worker over axis_name)`` for each collective (see :func:`worker_bytes`)."""
+    per_worker = 1
+    if mesh is not None:
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        per_worker = mesh.size // mesh.shape[axis_name]
+    out = []
+    for op in ops:
+        crosses = mesh is None or axis_name in collective_axes(op, mesh)
+        n = sum(_array_bytes(d, shape) for (d, shape), who in zip(op.operands, op.issuers)
+                if issuer is None or (who or "other") == issuer) if crosses else 0
+        out.append((op.branch, n * per_worker))
     return out
 
 

@@ -187,8 +187,23 @@ def check_flags(**flags: Any) -> None:
 
 
 def gather_whole(leaves: Sequence, dims: Sequence, fast: str) -> list:
-    """Each leaf whole: a shard (``dims`` entry an int) all-gathered over ``fast`` inside the host, else as it is."""
-    return [x if d is None else collectives.gather_shards(x, fast, d) for x, d in zip(leaves, dims)]
+    """Each leaf whole: a shard (``dims`` entry an int) all-gathered over ``fast`` inside the host, else as it is.
+
+    A leaf held whole is cast to varying over ``fast`` here, under
+    :func:`compjax.collectives.uncounted`: the sum over the host's devices
+    that its gradient takes (the transpose of that cast, an all-reduce inside
+    the host) is then labelled compjax's in the audit, not a model's.
+    """
+    out = []
+    for x, d in zip(leaves, dims):
+        if d is not None:
+            out.append(collectives.gather_shards(x, fast, d))
+        elif jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            with collectives.uncounted():
+                out.append(collectives.vary(x, (fast,)))
+        else:
+            out.append(x)
+    return out
 
 
 def host_mean(grads: Sequence, size: int) -> list:
