@@ -64,10 +64,12 @@ __all__ = [
     "dense_mean",
     "dense_mean_arrays",
     "gather_inside_host",
+    "gather_over_fast",
     "gather_shards",
     "gathered_mean",
     "like_varying",
     "match_varying",
+    "max_over_fast",
     "max_over_workers",
     "num_workers",
     "reduce_bytes",
@@ -401,6 +403,48 @@ def sum_over_fast(x: jnp.ndarray) -> jnp.ndarray:
         return jax.lax.psum(x, lay.axis)
 
 
+def max_over_fast(x: jnp.ndarray) -> jnp.ndarray:
+    """Elementwise max of ``x`` over the devices of this host: a ``pmax`` over the fast axis, inside the host.
+
+    On a two-level step (:func:`compjax.layout.current`) the largest magnitude
+    of a sharded layer is the largest of its shards'.  Elsewhere ``x`` is
+    returned as it is.  Sent inside the host (:func:`uncounted`).
+
+    Args:
+      x: an array (usually a float32 scalar or a few per-layer statistics).
+
+    Returns:
+      ``x`` maxed over the fast axis: the same on every device of the host.
+    """
+    lay = layout.current()
+    if lay is None:
+        return x
+    with uncounted():
+        return jax.lax.pmax(x, lay.axis)
+
+
+def gather_over_fast(x: jnp.ndarray) -> jnp.ndarray:
+    """Every device's ``x`` of this host, stacked: ``(fast, *x.shape)``, an all-gather over the fast axis.
+
+    For the few values a compressor working on shards needs from its
+    neighbours (each shard's top-k candidates, per-shard statistics), not for
+    a layer.  Typed invariant over the fast axis (every device of the host
+    holds the same result), sent inside the host (:func:`uncounted`).
+    Elsewhere (no two-level step) ``x[None]``.
+
+    Args:
+      x: an array of any shape and dtype.
+
+    Returns:
+      ``(fast, *x.shape)``, device ``f``'s ``x`` at ``f``.
+    """
+    lay = layout.current()
+    if lay is None:
+        return x[None]
+    with uncounted():
+        return _all_gather(x, lay.axis, to="invarying")
+
+
 def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -> tuple[jnp.ndarray, int]:
     """Mean of ``x`` over workers with one all-reduce (``psum`` then ``/ n``).
 
@@ -492,7 +536,8 @@ def sparse_mean(
 
 
 def sparse_mean_segments(
-    indices: jnp.ndarray, values: jnp.ndarray, segments: Sequence[tuple[int, int, int, int]], axis_name: AxisName
+    indices: jnp.ndarray, values: jnp.ndarray, segments: Sequence[tuple[int, int, int, int]], axis_name: AxisName,
+    *, maps: Sequence[Callable | None] | None = None,
 ) -> tuple[list[jnp.ndarray], int]:
     """:func:`sparse_mean` scatter-added into several dense buffers, one per segment of the pairs.
 
@@ -508,6 +553,10 @@ def sparse_mean_segments(
       values: ``(k,)`` values at those indices, float dtype.
       segments: static ``(lo, hi, base, size)`` tuples of ints.
       axis_name: worker axis, or None.
+      maps: one entry per segment, or None: ``map(index - base) -> buffer
+        index`` (int32 arrays), indices at or past ``size`` dropped (e.g. the
+        pairs that fall in this device's shard of a layer, the others mapped
+        past its end); None entries: ``index - base`` as it is.
 
     Returns:
       ``(means, payload_bytes)``: one dense ``(size,)`` mean over workers per
@@ -543,9 +592,14 @@ def sparse_mean_segments(
     if n != 1:  # divide the k n pairs, not the dense buffers: no extra pass over them
         values = values / jnp.asarray(n, values.dtype)
     means = []
-    for lo, hi, base, size in segments:
-        means.append(_zeros(size, values.dtype, indices[0, min(lo, k - 1)]).at[(indices[:, lo:hi] - base).reshape(-1)].add(
-            values[:, lo:hi].reshape(-1)))
+    for s, (lo, hi, base, size) in enumerate(segments):
+        fn = maps[s] if maps is not None else None
+        at = (indices[:, lo:hi] - base).reshape(-1)
+        buf = _zeros(size, values.dtype, indices[0, min(lo, k - 1)])
+        if fn is None:
+            means.append(buf.at[at].add(values[:, lo:hi].reshape(-1)))
+        else:
+            means.append(buf.at[fn(at)].add(values[:, lo:hi].reshape(-1), mode="drop"))
     return means, nbytes
 
 

@@ -30,8 +30,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["FastLayout", "current", "fast_layout", "for_leaves", "scaled_dims", "shard_dims_for"]
+__all__ = ["FastLayout", "Shards", "current", "fast_layout", "for_leaves", "scaled_dims", "shard_dims_for"]
 
 
 class FastLayout(NamedTuple):
@@ -47,6 +48,74 @@ class FastLayout(NamedTuple):
     axis: str
     treedef: Any = None
     dims: tuple = ()
+
+
+class Shards(NamedTuple):
+    """What a compressor that works on its shards (``compressor(..., on_shards=True)``) is told about its leaves.
+
+    Each leaf it receives is this device's shard of a layer, cut into equal
+    pieces along ``dims[i]`` over the fast axis ``axis`` (device ``f`` holds
+    the ``f``-th piece), or the whole leaf where ``dims[i]`` is None.  The
+    methods map between a shard and its layer: shapes, and flat indices
+    (row-major) in either.  They read the device's position on the fast axis
+    (``jax.lax.axis_index``) and issue no collective.
+
+    Attributes:
+      axis: the fast mesh axis.
+      dims: one entry per leaf: the dimension along which it is sharded, or None.
+    """
+
+    axis: str
+    dims: tuple
+
+    def fast(self) -> int:
+        """The fast axis size (static int)."""
+        return int(jax.lax.axis_size(self.axis))
+
+    def whole_shape(self, x: Any, i: int) -> tuple:
+        """The shape of the layer of which leaf ``i`` (``x``, one shard) is a piece."""
+        d = self.dims[i]
+        shape = tuple(x.shape)
+        return shape if d is None else shape[:d] + (shape[d] * self.fast(),) + shape[d + 1:]
+
+    def _geometry(self, shape: Sequence[int], d: int) -> tuple:
+        inner = 1
+        for n in shape[d + 1:]:
+            inner *= int(n)
+        n_d = int(shape[d])
+        off = jax.lax.axis_index(self.axis).astype(jnp.int32) * n_d
+        return inner, n_d, off
+
+    def to_whole(self, idx: jnp.ndarray, shape: Sequence[int], i: int) -> jnp.ndarray:
+        """Flat indices into the layer (int32) of flat indices ``idx`` into leaf ``i``'s shard of ``shape``.
+
+        Inside a shard the row-major order is the layer's (the map only adds
+        offsets), so ties broken by the lowest index agree in both.
+        """
+        d = self.dims[i]
+        if d is None:
+            return idx
+        inner, n_d, off = self._geometry(shape, d)
+        outer = idx // (n_d * inner)
+        return idx + outer * (n_d * (self.fast() - 1) * inner) + off * inner
+
+    def to_shard(self, g: jnp.ndarray, shape: Sequence[int], i: int) -> jnp.ndarray:
+        """Flat indices into leaf ``i``'s shard (of ``shape``) of flat indices ``g`` into the layer (int32).
+
+        An index outside this device's shard maps to the shard's size (past
+        its end: scatters with ``mode="drop"`` skip it).
+        """
+        d = self.dims[i]
+        if d is None:
+            return g
+        inner, n_d, off = self._geometry(shape, d)
+        big = n_d * self.fast()
+        outer, at, rest = g // (big * inner), (g // inner) % big - off, g % inner
+        size = n_d * inner
+        for n in shape[:d]:
+            size *= int(n)
+        inside = (at >= 0) & (at < n_d)
+        return jnp.where(inside, (outer * n_d + at) * inner + rest, size)
 
 
 _STATE = threading.local()

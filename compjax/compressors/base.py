@@ -96,11 +96,17 @@ class Context(NamedTuple):
         An exchange built with ``compressor(..., honours_skip=True)`` honours
         it itself (zeros in its payload, its fields kept), cheaper than the
         pipeline's selects over its dense outputs.
+      shards: for an exchange built with ``compressor(..., on_shards=True)``
+        inside a step with sharded parameters: which leaves (and state fields
+        shaped like them) are this device's shards of a layer, along which
+        dimension (:class:`compjax.layout.Shards`); None elsewhere (every leaf
+        whole).
     """
 
     count: jnp.ndarray
     axis_name: AxisName
     skip: jnp.ndarray | None = None
+    shards: layout.Shards | None = None
 
 
 class Exchanged(NamedTuple):
@@ -344,6 +350,7 @@ def compressor(
     init_fields: Callable[[list], dict] | None = None,
     tree_fields: Sequence[str] = (),
     honours_skip: bool = False,
+    on_shards: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Build a compressor's optax transformation from its exchange.
 
@@ -370,6 +377,14 @@ def compressor(
         outputs and fields, and without error feedback hands it the gradients
         as they are; a :class:`~compjax.compressors.error_feedback.SentAt` is
         still moved past the end (the residual keeps ``p = e``).
+      on_shards: the exchange works on shards: under sharded parameters it
+        receives this device's shards of the leaves and of the per-parameter
+        fields as they are (nothing is gathered), learns which are shards from
+        :attr:`Context.shards`, reduces its per-layer statistics over the fast
+        axis itself and returns this device's shards of the means and fields
+        (a :class:`~compjax.compressors.error_feedback.SentAt` holds indices
+        into the shards).  Its other state fields must be held whole by every
+        fast device.  Without it the pipeline gathers whole layers.
 
     Returns:
       ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -433,6 +448,9 @@ def compressor(
                         "integer leaves there: was the state built for other parameters?"
                     )
         dims = layout.shard_dims_for(updates, who)
+        split = None
+        if dims is not None and on_shards:  # the exchange works on the shards: nothing gathered
+            split, dims = layout.Shards(layout.current().axis, tuple(dims[i] for i in sel)), None
         if dims is not None:  # sharded parameters: whole layers in, this device's shards out (at the end)
             fast, dims = layout.current().axis, [dims[i] for i in sel]
             shard_xs = xs
@@ -449,7 +467,7 @@ def compressor(
             if skip_nonfinite:
                 local_bad = any_nonfinite(xs)
                 bad, flag_bytes = collectives.any_over_workers(local_bad, axis_name)
-            ctx = Context(state.count, axis_name, bad)
+            ctx = Context(state.count, axis_name, bad, split)
             if error_feedback:
                 ps = ef.accumulate(old["residual"], xs)
                 if bad is not None:  # a skipped step exchanges the (finite) residual alone, in the same pass
@@ -460,6 +478,9 @@ def compressor(
                 ps = [jnp.where(bad, jnp.zeros_like(x), x) for x in xs]
             if dims is not None:  # whole layers from here on: a compressor nested in this one gathers nothing
                 with layout.fast_layout(fast):
+                    out = exchange(ps, old, ctx)
+            elif split is not None:  # the exchange's leaves, this device's shards
+                with layout.for_leaves(ps, split.dims):
                     out = exchange(ps, old, ctx)
             else:
                 out = exchange(ps, old, ctx)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 
-from compjax import collectives
+from compjax import collectives, layout
+from compjax.codecs import select as select_codec
 from compjax.codecs.bucket import make_bucket
 from compjax.collectives import AxisName
 
@@ -57,9 +59,47 @@ def chunks(sizes: Sequence[int], limit: int = CHUNK) -> list[list[int]]:
     return out
 
 
+def topk_on_shards(xs: Sequence[jnp.ndarray], ks: Sequence[int], shards: layout.Shards, **kw) -> list:
+    """The exact top-``k_i`` of every layer from its shards, without moving the layers.
+
+    Each device selects its shard's top ``min(k_i, shard size)`` entries
+    (:func:`compjax.codecs.select.topk_many`, ``kw`` passed on), turns their
+    indices into the layer's flat indices (:meth:`compjax.layout.Shards.to_whole`)
+    and all-gathers these candidates over the fast axis
+    (:func:`compjax.collectives.gather_over_fast`, ``fast * k_i`` pairs); the
+    ``k_i`` of largest magnitude among them, ties to the lowest index of the
+    layer, are the layer's top ``k_i`` exactly as ``jax.lax.top_k`` of the
+    whole layer picks them (an entry of the layer's top ``k_i`` is among its
+    shard's top ``k_i``, and inside a shard the order of the indices is the
+    layer's).  Every device of the host gets the same pairs.
+
+    Args:
+      xs: this device's shards (whole leaves where ``shards.dims[i]`` is None).
+      ks: the number of entries per layer, ``1 <= k_i <=`` the layer's size.
+      shards: the layout of ``xs``.
+
+    Returns:
+      One ``(indices, values)`` per layer: int32 ``(k_i,)`` flat indices into
+      the whole layer and the values there, ordered by decreasing magnitude.
+    """
+    local = [min(k, int(x.size)) if d is not None else k for x, k, d in zip(xs, ks, shards.dims)]
+    pairs = select_codec.topk_many(list(xs), local, **kw)
+    out = []
+    for i, (x, k, (idx, val)) in enumerate(zip(xs, ks, pairs)):
+        if shards.dims[i] is None:
+            out.append((idx, val))
+            continue
+        g = collectives.gather_over_fast(shards.to_whole(idx.astype(jnp.int32), x.shape, i)).reshape(-1)
+        v = collectives.gather_over_fast(val).reshape(-1)
+        # (score descending, index ascending): ~score sorts the uint32 magnitudes from the largest.
+        _, g, v = jax.lax.sort((~select_codec.magnitude_scores(v), g, v), num_keys=2)
+        out.append((g[:k], v[:k]))
+    return out
+
+
 def sparse_layers_mean(
     leaves: Sequence[jnp.ndarray], select: Select | None, axis_name: AxisName, *,
-    select_all: SelectAll | None = None, skip: jnp.ndarray | None = None,
+    select_all: SelectAll | None = None, skip: jnp.ndarray | None = None, shards: layout.Shards | None = None,
 ) -> tuple[list[jnp.ndarray], list[jnp.ndarray], int]:
     """Select (index, value) pairs in every layer and average the sparse layers over workers.
 
@@ -73,15 +113,25 @@ def sparse_layers_mean(
         means are zeros -- a skipped step of the non-finite guard
         (:class:`compjax.compressors.base.Context`) at the cost of ``k`` selects,
         not of a pass over the dense means.
+      shards: the leaves are this device's shards of layers
+        (:class:`compjax.layout.Shards`): ``select``/``select_all`` then return
+        flat indices into the whole layers (the same on every device of the
+        host, e.g. :func:`topk_on_shards`), each layer's pairs travel from
+        the start of their layer, and each device scatter-adds only the pairs
+        that fall in its shard, into a buffer of the shard's size.
 
     Returns:
       ``(means, indices, payload_bytes)``: the dense means over workers (shapes
       and dtypes of ``leaves``), each layer's int32 flat indices that this worker
-      sent (for error feedback and masking), and ``sum_i k_i * (4 + itemsize)``
-      bytes (values in the leaves' common dtype).  No leaves: nothing is sent, ``([], [], 0)``.
+      sent (for error feedback and masking; with ``shards``, into the shard, the
+      size of the shard where an entry lies in another device's shard), and
+      ``sum_i k_i * (4 + itemsize)`` bytes (values in the leaves' common dtype).
+      No leaves: nothing is sent, ``([], [], 0)``.
     """
     if not leaves:
         return [], [], 0
+    if shards is not None:
+        return _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards)
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
     if (select is None) == (select_all is None):
@@ -110,3 +160,26 @@ def sparse_layers_mean(
             part = buf if len(g) == 1 else buf[o : o + bucket.sizes[i]]
             means[i] = part.reshape(leaves[i].shape).astype(leaves[i].dtype)
     return means, idx_parts, nbytes
+
+
+def _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards):
+    """:func:`sparse_layers_mean` of shards: one segment per layer, scatter-added into the shards alone."""
+    if (select is None) == (select_all is None):
+        raise ValueError("give one of select and select_all")
+    dtype = jnp.result_type(*leaves)
+    pairs = select_all(list(leaves)) if select_all is not None else [select(i, x) for i, x in enumerate(leaves)]
+    idx_parts = [idx.astype(jnp.int32) for idx, _ in pairs]
+    values = jnp.concatenate([val.astype(dtype) for _, val in pairs])
+    if skip is not None:
+        values = jnp.where(skip, jnp.zeros_like(values), values)
+    segments, maps, at = [], [], 0
+    for i, (x, idx) in enumerate(zip(leaves, idx_parts)):
+        segments.append((at, at + int(idx.size), 0, int(x.size)))
+        maps.append(None if shards.dims[i] is None else
+                    (lambda g, shape=tuple(x.shape), i=i: shards.to_shard(g, shape, i)))
+        at += int(idx.size)
+    dense, nbytes = collectives.sparse_mean_segments(jnp.concatenate(idx_parts), values, segments, axis_name,
+                                                     maps=maps)
+    means = [buf.reshape(x.shape).astype(x.dtype) for buf, x in zip(dense, leaves)]
+    local = [shards.to_shard(idx, x.shape, i) for i, (x, idx) in enumerate(zip(leaves, idx_parts))]
+    return means, local, nbytes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from compjax.codecs.sparse import layer_k
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.error_feedback import SentAt
-from compjax.compressors.sparsified import sparse_layers_mean
+from compjax.compressors.sparsified import sparse_layers_mean, topk_on_shards
 
 
 class TopkState(NamedTuple):
@@ -55,7 +57,11 @@ def topk(
     all-gather each (:func:`compjax.collectives.sparse_mean`), scatter-added and
     divided by the number of workers.  Indices are flat offsets into the
     concatenation of all layers, so the step issues 2 collectives whatever the
-    number of layers (plus the non-finite vote).
+    number of layers (plus the non-finite vote).  On parameters sharded over a
+    host's fast axis each device selects among its shard and the host's
+    candidates give the layer's exact top-k
+    (:func:`compjax.compressors.sparsified.topk_on_shards`): no layer is
+    gathered.
 
     Args:
       ratio: kept fraction per layer, in (0, 1].  ``ratio=1`` sends everything
@@ -86,13 +92,17 @@ def topk(
     ratio = float(ratio)
 
     def exchange(ps, fields, ctx):
-        means, indices, nbytes = sparse_layers_mean(
-            ps, None, ctx.axis_name, select_all=lambda xs: select.topk_many(xs, [layer_k(x.size, ratio) for x in xs]),
-            skip=ctx.skip,
-        )
+        if ctx.shards is not None:  # the layers' top-k from the shards' candidates
+            ks = [layer_k(math.prod(ctx.shards.whole_shape(x, i)), ratio) for i, x in enumerate(ps)]
+            pick = partial(topk_on_shards, ks=ks, shards=ctx.shards)
+        else:
+            def pick(xs):
+                return select.topk_many(xs, [layer_k(x.size, ratio) for x in xs])
+        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=pick, skip=ctx.skip,
+                                                    shards=ctx.shards)
         return Exchanged(means, SentAt(indices), {}, nbytes)
 
     return compressor(
         TopkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        honours_skip=True,
+        honours_skip=True, on_shards=True,
     )

@@ -1,0 +1,67 @@
+"""Compressors on shards: in a sharded step (parameters sharded over the fast axis of a 2 x 4 mesh, ``specs=``), the
+collectives a compressor issues over the fast axis carry per-shard candidates or per-layer statistics, never a layer.
+
+The audit reads the compiled step (``cj.audit_collectives``): every collective that runs over the fast axis alone and
+was traced inside the compressor's scope (``cj.topk/...``) must carry less than a quarter of the smallest sharded
+leaf's shard.  Gathering a layer's shards (what the pipeline does for a compressor that does not work on shards)
+puts a whole shard into one all-gather and fails this.  Exactness against the replicated layout is
+tests/test_battery_sharded.py's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import compjax as cj
+from compjax import parallel
+
+SLOW, FAST = 2, 4
+
+#: The compressors that work on their shards, and the scope their collectives carry in the program.
+CONVERTED = {
+    "topk": (lambda: cj.topk(0.01, axis_name="data"), "cj.topk"),
+}
+
+
+def loss(p, batch):
+    x, y = batch
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    # w1 sharded along its columns, w2 along its rows (fsdp_specs: the largest divisible dimension), b1 whole.
+    return {"w1": jnp.asarray(rng.normal(size=(64, 256)) * 0.1, jnp.float32), "b1": jnp.zeros(256),
+            "w2": jnp.asarray(rng.normal(size=(256, 32)) * 0.1, jnp.float32), "b2": jnp.zeros(32)}
+
+
+def _audit(tx):
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    init = _params()
+    specs = parallel.fsdp_specs(init, mesh, min_size=1024)
+    sp = parallel.replicate(init, mesh, specs=specs)
+    ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
+    rng = np.random.default_rng(1)
+    batch = parallel.shard_batch((rng.normal(size=(32, 64)).astype(np.float32),
+                                  rng.normal(size=(32, 32)).astype(np.float32)), mesh, fast_axis="fast")
+    step = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, batch).compile()
+    shard_bytes = [int(np.prod(v.shape)) * 4 // FAST for k, v in init.items() if specs[k] != jax.P()]
+    return cj.audit_collectives(step), mesh, shard_bytes
+
+
+@pytest.mark.parametrize("name", sorted(CONVERTED))
+def test_a_compressor_on_shards_sends_no_layer_over_the_fast_axis(name):
+    make, scope = CONVERTED[name]
+    tx = optax.chain(make(), optax.sgd(0.1))
+    ops, mesh, shard_bytes = _audit(tx)
+    assert min(shard_bytes) >= 8192  # the leaves are large enough for candidates to be far smaller than a shard
+    mine = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",)
+            and any(f"{scope}/" in s for s in op.scopes)]
+    assert mine, "the audit finds the compressor's fast-axis collectives (the host's vote at least)"
+    big = [(op.op, op.bytes, op.scopes) for op in mine if op.bytes * 4 > min(shard_bytes)]
+    assert not big, f"{name} moves shards of layers over the fast axis: {big}"
