@@ -78,6 +78,14 @@ class Shards(NamedTuple):
         shape = tuple(x.shape)
         return shape if d is None else shape[:d] + (shape[d] * self.fast(),) + shape[d + 1:]
 
+    def own(self, x: jnp.ndarray, i: int) -> jnp.ndarray:
+        """This device's shard of ``x``, a whole layer laid out like leaf ``i`` (``x`` itself where it is whole)."""
+        d = self.dims[i]
+        if d is None:
+            return x
+        per = x.shape[d] // self.fast()
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.axis).astype(jnp.int32) * per, per, axis=d)
+
     def _geometry(self, shape: Sequence[int], d: int) -> tuple:
         inner = 1
         for n in shape[d + 1:]:

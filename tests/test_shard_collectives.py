@@ -4,8 +4,10 @@ collectives a compressor issues over the fast axis carry per-shard candidates or
 The audit reads the compiled step (``cj.audit_collectives``): every collective that runs over the fast axis alone and
 was traced inside the compressor's scope (``cj.topk/...``) must carry less than a quarter of the smallest sharded
 leaf's shard.  Gathering a layer's shards (what the pipeline does for a compressor that does not work on shards)
-puts a whole shard into one all-gather and fails this.  Exactness against the replicated layout is
-tests/test_battery_sharded.py's.
+puts a whole shard into one all-gather and fails this.  The leaves here are large enough for the paths that the
+battery's small model does not reach (top-k's threshold selection, chunk top-k's tiles inside shards), so the same
+run checks the sharded layout against the replicated 2-D layout too (1e-6, equal ``payload_bytes``); every registry
+case's exactness is tests/test_battery_sharded.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ SLOW, FAST = 2, 4
 #: The compressors that work on their shards, and the scope their collectives carry in the program.
 CONVERTED = {
     "topk": (lambda: cj.topk(0.01, axis_name="data"), "cj.topk"),
+    # 16 x 16 tiles: w1's column shards and w2's row shards hold whole tiles.
+    "chunktopk": (lambda: cj.chunktopk(8, chunk=16, decay=0.9, axis_name="data"), "cj.chunktopk"),
+    "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
+                                                   axis_name="data"), "cj.chunktopk"),
 }
 
 
@@ -40,25 +46,38 @@ def _params():
             "w2": jnp.asarray(rng.normal(size=(256, 32)) * 0.1, jnp.float32), "b2": jnp.zeros(32)}
 
 
-def _audit(tx):
+def _run(tx, steps=3):
+    """``steps`` steps of the sharded layout and of the replicated 2-D layout; the sharded compiled step's audit."""
     mesh = parallel.make_2d_mesh(SLOW, FAST)
     init = _params()
     specs = parallel.fsdp_specs(init, mesh, min_size=1024)
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(32, 64)).astype(np.float32), rng.normal(size=(32, 32)).astype(np.float32))
+               for _ in range(steps)]
+    rp = parallel.replicate(init, mesh, fast_axis="fast")
+    rs = parallel.init_worker_state(tx, init, mesh, fast_axis="fast")
     sp = parallel.replicate(init, mesh, specs=specs)
     ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
-    rng = np.random.default_rng(1)
-    batch = parallel.shard_batch((rng.normal(size=(32, 64)).astype(np.float32),
-                                  rng.normal(size=(32, 32)).astype(np.float32)), mesh, fast_axis="fast")
-    step = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, batch).compile()
+    first = parallel.shard_batch(batches[0], mesh, fast_axis="fast")
+    replicated = parallel.data_parallel_step(loss, tx, mesh, fast_axis="fast")
+    sharded = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, first).compile()
+    for b in batches:
+        b = parallel.shard_batch(b, mesh, fast_axis="fast")
+        rp, rs, _ = replicated(rp, rs, b)
+        sp, ss, _ = sharded(sp, ss, b)
+    got, want = parallel.gather(sp), parallel.gather(rp)
+    for k in init:
+        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    np.testing.assert_array_equal(np.asarray(cj.payload_bytes(ss)), np.asarray(cj.payload_bytes(rs))[::FAST])
     shard_bytes = [int(np.prod(v.shape)) * 4 // FAST for k, v in init.items() if specs[k] != jax.P()]
-    return cj.audit_collectives(step), mesh, shard_bytes
+    return cj.audit_collectives(sharded), mesh, shard_bytes
 
 
 @pytest.mark.parametrize("name", sorted(CONVERTED))
-def test_a_compressor_on_shards_sends_no_layer_over_the_fast_axis(name):
+def test_a_compressor_on_shards_sends_no_layer_over_the_fast_axis_and_equals_the_replicated_layout(name):
     make, scope = CONVERTED[name]
     tx = optax.chain(make(), optax.sgd(0.1))
-    ops, mesh, shard_bytes = _audit(tx)
+    ops, mesh, shard_bytes = _run(tx)
     assert min(shard_bytes) >= 8192  # the leaves are large enough for candidates to be far smaller than a shard
     mine = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",)
             and any(f"{scope}/" in s for s in op.scopes)]

@@ -8,8 +8,10 @@ accumulator.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -222,14 +224,20 @@ def chunktopk(
 
     def exchange(gs, fields, ctx):
         acc = fields["accumulator"]
+        sh = ctx.shards
+        gs, acc, cuts, gathered = _shard_tiling(gs, acc, sh, chunk)
         ps = ef.accumulate(acc, gs, decay) if acc is not None else list(gs)
-        plans = [_plan(p.shape, k, chunk, dct, values, value_bits) for p in ps]
+        shapes = [p.shape if c is None else c.layer.shape for p, c in zip(ps, cuts)]
+        plans = [_plan(shape, k, chunk, dct, values, value_bits) for shape in shapes]
         words, floats, raws = [], [], []
-        for p, pl in zip(ps, plans):
-            t = ck.tile(p.astype(jnp.float32), pl.layout)
+        for p, pl, cut in zip(ps, plans, cuts):
+            lay = pl.layout if cut is None else cut.own
+            t = ck.tile(p.astype(jnp.float32), lay)
             if dct:
-                t = ck.dct_tiles(t, pl.layout)
+                t = ck.dct_tiles(t, lay)
             idx, val = ck.topk_rows(t, pl.k)
+            if cut is not None:  # the host's kept entries, in the layer's tile order: the layer's payload
+                idx, val = cut.layer_order(idx), cut.layer_order(val)
             if pl.ibits:
                 words.append(bitpack.pack(idx, pl.ibits))
             if values == "statistical":
@@ -248,7 +256,7 @@ def chunktopk(
         def decode(w, f, r):
             """One worker's payload -> per layer its dense (tiles, L) values (and, for "senders", indicators)."""
             out, wo, fo, ro = [], 0, 0, 0
-            for pl in plans:
+            for pl, cut in zip(plans, cuts):
                 n, shape = pl.layout.tiles * pl.k, (pl.layout.tiles, pl.k)
                 if pl.ibits:
                     idx = bitpack.unpack(w[wo:wo + pl.idx_words], pl.ibits, n).astype(jnp.int32).reshape(shape)
@@ -264,32 +272,113 @@ def chunktopk(
                 else:
                     val = r[ro:ro + n].astype(jnp.float32)
                 wo, fo, ro = wo + pl.val_words, fo + pl.floats, ro + pl.raw
-                out.append(ck.scatter_rows(idx, val.reshape(shape), pl.layout.length))
+                val = val.reshape(shape)
+                if cut is not None:  # decode this device's tiles only
+                    idx, val = cut.own_tiles(idx), cut.own_tiles(val)
+                out.append(ck.scatter_rows(idx, val, pl.layout.length))
                 if senders:
-                    out.append(ck.scatter_rows(idx, jnp.ones(shape, jnp.float32), pl.layout.length))
+                    out.append(ck.scatter_rows(idx, jnp.ones(idx.shape, jnp.float32), pl.layout.length))
             return out
 
         def finish(tiles_out, like):
             """Per layer: combine (senders: values over indicators), inverse DCT, back to the layer's shape."""
             res = []
-            for i, (pl, x) in enumerate(zip(plans, like)):
+            for i, (pl, x, cut) in enumerate(zip(plans, like, cuts)):
+                lay = pl.layout if cut is None else cut.own
                 if senders:
                     s, c = tiles_out[2 * i], tiles_out[2 * i + 1]
                     t = jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), 0.0)
                 else:
                     t = tiles_out[i]
                 if dct:
-                    t = ck.idct_tiles(t, pl.layout)
-                res.append(ck.untile(t, pl.layout).astype(x.dtype))
+                    t = ck.idct_tiles(t, lay)
+                res.append(ck.untile(t, lay).astype(x.dtype))
             return res
 
         means, nbytes = collectives.gathered_mean(payload, decode, ctx.axis_name)
         means = finish(means, ps)
         sent = means if ctx.axis_name is None else finish(decode(*payload), ps)
         new = {"accumulator": ef.remainder(ps, sent)} if acc is not None else {}
+        if gathered:  # leaves whose tiles cross their shards were gathered: keep this device's shards
+            means = [sh.own(m, i) if i in gathered else m for i, m in enumerate(means)]
+            if acc is not None:
+                new["accumulator"] = [sh.own(e, i) if i in gathered else e for i, e in enumerate(new["accumulator"])]
         return Exchanged(means, None, new, nbytes)
 
     return compressor(
         ChunktopkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, init_fields=init_fields,
-        tree_fields=("accumulator",),
+        tree_fields=("accumulator",), on_shards=True,
     )
+
+
+class _Cut(NamedTuple):
+    """How a sharded layer's tiles fall into its shards: whole tiles in every shard (static, but for the position)."""
+
+    layer: ck.ChunkLayout  # the layer's tiles
+    own: ck.ChunkLayout  # this device's shard cut with the layer's tile size
+    along_rows: bool  # the shards are blocks of tile rows (else of tile columns)
+    axis: str  # the fast axis
+
+    def _fast(self) -> int:
+        return self.layer.tiles // self.own.tiles
+
+    def layer_order(self, x: jnp.ndarray) -> jnp.ndarray:
+        """``(tiles_own, ...)`` per-tile rows of every shard of the host -> ``(tiles, ...)`` in the layer's order."""
+        g = collectives.gather_over_fast(x)  # (fast, tiles_own, ...)
+        if self.along_rows:
+            return g.reshape((self.layer.tiles,) + x.shape[1:])
+        ys = self.own.rows // self.own.h
+        g = g.reshape((self._fast(), ys, -1) + x.shape[1:])
+        return jnp.swapaxes(g, 0, 1).reshape((self.layer.tiles,) + x.shape[1:])
+
+    def own_tiles(self, x: jnp.ndarray) -> jnp.ndarray:
+        """``(tiles, ...)`` rows of the layer's tiles -> this device's ``(tiles_own, ...)``."""
+        f = jax.lax.axis_index(self.axis).astype(jnp.int32)
+        if self.along_rows:
+            return jax.lax.dynamic_slice_in_dim(x, f * self.own.tiles, self.own.tiles, axis=0)
+        ys = self.own.rows // self.own.h
+        g = x.reshape((ys, self._fast(), -1) + x.shape[1:])
+        return jax.lax.dynamic_index_in_dim(g, f, axis=1, keepdims=False).reshape((self.own.tiles,) + x.shape[1:])
+
+
+def _shard_tiling(gs, acc, sh, chunk):
+    """Which shards hold whole tiles of their layer (a :class:`_Cut` each), the others gathered whole.
+
+    A layer's shards hold whole tiles when it is sharded along its last
+    dimension (the columns of its matrix view) into a multiple of the tile
+    width, or along its first of several dimensions (blocks of rows) into a
+    multiple of the tile height.  Other sharded leaves (and their accumulator)
+    are all-gathered over the fast axis here and handled whole.
+
+    Returns:
+      ``(gs, acc, cuts, gathered)``: the leaves and accumulator as the
+      exchange uses them, one :class:`_Cut` or None (whole) per leaf, and the
+      positions gathered.
+    """
+    cuts = [None] * len(gs)
+    if sh is None:
+        return list(gs), acc, cuts, set()
+    gathered = set()
+    gs, acc = list(gs), (list(acc) if acc is not None else None)
+    for i, g in enumerate(gs):
+        d = sh.dims[i]
+        if d is None:
+            continue
+        layer = ck.chunk_layout(sh.whole_shape(g, i), chunk)
+        shape = tuple(int(n) for n in g.shape)
+        if d == len(shape) - 1:  # blocks of the matrix view's columns
+            along_rows, rows, cols = False, layer.rows, shape[-1]
+            fits = cols % layer.w == 0
+        else:  # blocks of its rows (contiguous only when the first dimension is cut)
+            along_rows, rows, cols = True, math.prod(shape[:-1]), layer.cols
+            fits = d == 0 and rows % layer.h == 0
+        if fits:
+            own = ck.ChunkLayout(shape, rows, cols, layer.h, layer.w, (rows // layer.h) * (cols // layer.w),
+                                 layer.length)
+            cuts[i] = _Cut(layer, own, along_rows, sh.axis)
+        else:
+            gathered.add(i)
+            gs[i] = collectives.gather_inside_host(g, sh.axis, d)
+            if acc is not None:
+                acc[i] = collectives.gather_inside_host(acc[i], sh.axis, d)
+    return gs, acc, cuts, gathered
