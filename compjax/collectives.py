@@ -476,7 +476,8 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
 
 
 def dense_mean_arrays(
-    arrays: Sequence[jnp.ndarray], axis_name: AxisName, *, prescale: bool = False
+    arrays: Sequence[jnp.ndarray], axis_name: AxisName, *, prescale: bool = False,
+    shards: Sequence[bool] | None = None,
 ) -> tuple[list[jnp.ndarray], int]:
     """Mean over workers of several arrays, bucketed: one all-reduce per dtype.
 
@@ -488,6 +489,14 @@ def dense_mean_arrays(
       arrays: this worker's arrays, any shapes; an empty sequence issues nothing.
       axis_name: worker axis, or None.
       prescale: as in :func:`dense_mean`, for every dtype.
+      shards: one flag per array, or None (all False): the array is this
+        device's shard of a layer (parameters sharded over a two-level step's
+        fast axis), not a payload every fast device holds.  A shard is already
+        this device's part of the host's payload: it goes over ``axis_name``
+        as it is, beside this device's piece of the other arrays' bucket, in
+        the same all-reduce.  The host then sends the same bytes as with
+        whole layers (shards divide by the fast size, so the padding is the
+        whole arrays').
 
     Returns:
       ``(means, payload_bytes)``: the means in the input order and shapes, and
@@ -498,7 +507,17 @@ def dense_mean_arrays(
     by_dtype: dict[jnp.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
+    fast = _host_axis(axis_name)
     for idxs in by_dtype.values():
+        own = [i for i in idxs if shards is not None and shards[i]] if fast is not None else []
+        if own:
+            rest = [i for i in idxs if i not in own]
+            means, nbytes = _dense_mean_with_shards([arrays[i] for i in own], [arrays[i] for i in rest], axis_name,
+                                                    fast, prescale)
+            total += nbytes
+            for i, m in zip(own + rest, means):
+                out[i] = m
+            continue
         bucket = make_bucket([arrays[i].shape for i in idxs])
         flat = bucket.flatten([arrays[i] for i in idxs])
         mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
@@ -506,6 +525,35 @@ def dense_mean_arrays(
         for i, m in zip(idxs, bucket.unflatten(mean)):
             out[i] = m
     return out, total  # type: ignore[return-value]
+
+
+def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
+    """:func:`dense_mean_arrays` of one dtype: shards ``own`` sent as they are, the bucket of ``rest`` in pieces."""
+    n = num_workers(axis_name)
+    dtype = own[0].dtype
+    prescale = prescale or dtype == jnp.float16
+    flat_own = jnp.concatenate([jnp.ravel(x) for x in own])
+    parts = [flat_own]
+    if rest:
+        bucket = make_bucket([x.shape for x in rest])
+        whole = bucket.flatten(rest)
+        piece, _ = _piece(whole, fast)
+        parts.append(piece)
+    buf = jnp.concatenate(parts)
+    if prescale:
+        buf = buf / jnp.asarray(n, dtype)
+    with _scope("dense_mean"):
+        buf = jax.lax.psum(buf, axis_name)
+    if not prescale:
+        buf = buf / jnp.asarray(n, dtype)
+    f = int(jax.lax.axis_size(fast))
+    means, at = [], 0
+    for x in own:
+        means.append(buf[at: at + int(x.size)].reshape(x.shape))
+        at += int(x.size)
+    if rest:
+        means += bucket.unflatten(_join(buf[at:], whole, fast))
+    return means, f * reduce_bytes(buf)
 
 
 def sparse_mean(

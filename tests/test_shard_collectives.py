@@ -28,6 +28,9 @@ CONVERTED = {
     "topk": (lambda: cj.topk(0.01, axis_name="data"), "cj.topk"),
     # 16 x 16 tiles: w1's column shards and w2's row shards hold whole tiles.
     "chunktopk": (lambda: cj.chunktopk(8, chunk=16, decay=0.9, axis_name="data"), "cj.chunktopk"),
+    "powersgd": (lambda: cj.powersgd(2, axis_name="data"), "cj.powersgd"),
+    "powersgd_rank1_start": (lambda: cj.powersgd(1, start_step=1, warm_start=False, axis_name="data"),
+                             "cj.powersgd"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

@@ -159,7 +159,8 @@ def powersgd(
         return {"q": _random_qs(base_key, shapes, lowrank, ranks)}
 
     def exchange(ps, fields, ctx):
-        shapes = [x.shape for x in ps]
+        sh = ctx.shards
+        shapes = [x.shape if sh is None else sh.whole_shape(x, i) for i, x in enumerate(ps)]
         lowrank, ranks, dense = _plan(shapes, rank, min_compression_rate)
         old_q = fields["q"]
         if len(old_q) != len(lowrank):
@@ -167,29 +168,60 @@ def powersgd(
                 f"the gradient tree has {len(lowrank)} compressible matrices but the state holds "
                 f"{len(old_q)} Q's: it was built by init for another tree"
             )
+        # On shards (the matrix view M is (out, rest)): a leaf cut along its last dimension holds rows of M
+        # ("out"; Q whole), along another one columns of M ("rest"; Q's rows cut along the same dimension, and
+        # the state holds a block of Q's rows, as the fast axis lays it out).
+        cut = {i: None if sh is None or sh.dims[i] is None else
+               ("out" if sh.dims[i] == len(shapes[i]) - 1 else "rest") for i in lowrank}
+        sharded = [sh is not None and sh.dims[i] is not None for i in range(len(ps))]
 
         def compressed(_):
-            qs = old_q if warm_start else _random_qs(jax.random.fold_in(base_key, ctx.count), shapes, lowrank, ranks)
+            if warm_start:
+                qs = [collectives.gather_inside_host(q, sh.axis, 0) if cut[i] == "rest" else q
+                      for i, q in zip(lowrank, old_q)]
+            else:
+                qs = _random_qs(jax.random.fold_in(base_key, ctx.count), shapes, lowrank, ranks)
             mats = [ps[i].astype(jnp.float32) for i in lowrank]  # matrix views M (codecs.lowrank)
             qs = _batched(orthonormalize, list(qs))
-            p_loc = [project(m, q) for m, q in zip(mats, qs)]  # M Q
+            p_loc = []
+            for i, m, q in zip(lowrank, mats, qs):  # M Q
+                if cut[i] == "out":  # this shard's rows of P, the host's rows gathered: P exactly
+                    p_loc.append(collectives.gather_inside_host(project(m, q), sh.axis, 0))
+                elif cut[i] == "rest":  # M_f Q_f summed over the host's shards
+                    p_loc.append(collectives.sum_over_fast(project(m, _rest_rows(q, shapes[i], sh, i))))
+                else:
+                    p_loc.append(project(m, q))
             p_mean, p_bytes = collectives.dense_mean_arrays(p_loc, ctx.axis_name)
             p_hat = _batched(orthonormalize, p_mean)
-            q_loc = [back_project(m, p) for m, p in zip(mats, p_hat)]  # Mᵀ P̂
+            q_loc = []
+            for i, m, p in zip(lowrank, mats, p_hat):  # Mᵀ P̂
+                if cut[i] == "out":  # M_fᵀ P̂_f summed over the host's shards
+                    q_loc.append(collectives.sum_over_fast(back_project(m, _own_rows(p, sh))))
+                elif cut[i] == "rest":  # this shard's rows of Q, the host's rows gathered in Q's order
+                    q_f = back_project(m, p).reshape(tuple(ps[i].shape[:-1]) + (p.shape[-1],))
+                    q_loc.append(collectives.gather_inside_host(q_f, sh.axis, sh.dims[i]).reshape(-1, p.shape[-1]))
+                else:
+                    q_loc.append(back_project(m, p))
             q_mean, q_bytes = collectives.dense_mean_arrays(q_loc, ctx.axis_name)
-            dense_out, d_bytes = collectives.dense_mean_arrays([ps[i] for i in dense], ctx.axis_name)
+            dense_out, d_bytes = collectives.dense_mean_arrays([ps[i] for i in dense], ctx.axis_name,
+                                                               shards=[sharded[i] for i in dense])
             out = [None] * len(ps)
             for i, p, q in zip(lowrank, p_hat, q_mean):
-                out[i] = reconstruct(p, q, shapes[i]).astype(ps[i].dtype)  # P̂ Qᵀ
+                if cut[i] == "out":
+                    p = _own_rows(p, sh)
+                elif cut[i] == "rest":
+                    q = _rest_rows(q, shapes[i], sh, i)
+                out[i] = reconstruct(p, q, ps[i].shape).astype(ps[i].dtype)  # P̂ Qᵀ
             for i, o in zip(dense, dense_out):
                 out[i] = o
             # Dense leaves were sent whole: nothing remains of them.
             sent = [out[i] if i in set(lowrank) else ps[i] for i in range(len(ps))]
-            result = (out, sent, tuple(q_mean))
+            new_q = tuple(_own_rows(q, sh) if cut[i] == "rest" else q for i, q in zip(lowrank, q_mean))
+            result = (out, sent, new_q)
             return collectives.match_varying(result, (ps, ps, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
 
         def uncompressed(_):
-            out, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name)
+            out, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name, shards=sharded)
             return collectives.match_varying((out, list(ps), tuple(old_q)), (ps, ps, old_q)), bytecount.constant(nbytes)
 
         if start_step == 0:
@@ -200,5 +232,17 @@ def powersgd(
 
     return compressor(
         PowerSGDState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        init_fields=init_fields,
+        init_fields=init_fields, on_shards=True,
     )
+
+
+def _rest_rows(q: jnp.ndarray, shape: tuple, sh, i: int) -> jnp.ndarray:
+    """The rows of the layer's ``(rest, r)`` factor ``q`` that belong to leaf ``i``'s shard (its columns of M)."""
+    r = q.shape[-1]
+    return sh.own(q.reshape(tuple(shape[:-1]) + (r,)), i).reshape(-1, r)
+
+
+def _own_rows(q: jnp.ndarray, sh) -> jnp.ndarray:
+    """This device's block of the rows of ``q`` (the fast axis's layout of the state's Q; a row shard's rows of P)."""
+    per = q.shape[0] // sh.fast()
+    return jax.lax.dynamic_slice_in_dim(q, jax.lax.axis_index(sh.axis).astype(jnp.int32) * per, per, axis=0)
