@@ -31,6 +31,9 @@ CONVERTED = {
     "powersgd": (lambda: cj.powersgd(2, axis_name="data"), "cj.powersgd"),
     "powersgd_rank1_start": (lambda: cj.powersgd(1, start_step=1, warm_start=False, axis_name="data"),
                              "cj.powersgd"),
+    "dgc": (lambda: cj.dgc(0.01, momentum=0.9, clip_norm=0.5, key=3, axis_name="data"), "cj.dgc"),
+    "dgc_exact_dense_vectors": (lambda: cj.dgc(0.02, sample_ratio=None, sparsify_vectors=False, clip_norm=0.5,
+                                               axis_name="data"), "cj.dgc"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import bytecount, collectives
+from compjax import bytecount, collectives, layout
 from compjax._checks import check_range
 from compjax.codecs import random as cr
 from compjax.codecs import select as csel
@@ -17,7 +17,7 @@ from compjax.codecs.sparse import layer_k, topk_select, zero_at
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_stream
-from compjax.compressors.sparsified import sparse_layers_mean
+from compjax.compressors.sparsified import sparse_layers_mean, topk_on_shards
 
 #: Densities of the four warm-up stages: sparsity 75%, 93.75%, 98.4375%, 99.6% (Lin et al., Sec. 3.4).
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.00390625)
@@ -220,9 +220,16 @@ def dgc(
                 "key": jnp.array(key0)}
 
     def exchange(gs, fields, ctx):
+        sh = ctx.shards
         if clip_norm is not None:
             bound = clip_norm / math.sqrt(collectives.num_workers(ctx.axis_name))
-            norm = optax.tree.norm(gs)
+            if sh is None:
+                norm = optax.tree.norm(gs)
+            else:  # the layers' squares: the shards' summed over the fast axis
+                whole = [x for i, x in enumerate(gs) if sh.dims[i] is None]
+                cut = [x for i, x in enumerate(gs) if sh.dims[i] is not None]
+                norm = jnp.sqrt(optax.tree.norm(whole, squared=True)
+                                + collectives.sum_over_fast(optax.tree.norm(cut, squared=True)))
             scale = jnp.where(norm > bound, bound / jnp.where(norm > 0, norm, 1.0), 1.0)
             gs = [x * scale.astype(x.dtype) for x in gs]
         us, vs = fields["velocity"], fields["accumulator"]
@@ -239,13 +246,19 @@ def dgc(
         sparse = [i for i, x in enumerate(gs) if sparsify_vectors or x.ndim > 1]
         dense = [i for i, x in enumerate(gs) if not (sparsify_vectors or x.ndim > 1)]
         # Vectors sent dense (authors' code): the momentum-corrected gradient, all-reduced; nothing accumulates.
-        dense_means, dense_bytes = collectives.dense_mean_arrays([incs[i] for i in dense], ctx.axis_name)
+        dense_means, dense_bytes = collectives.dense_mean_arrays(
+            [incs[i] for i in dense], ctx.axis_name, shards=None if sh is None else [sh.dims[i] is not None for i in dense])
         vs_sparse = [vs[i] + incs[i] for i in sparse]
         us_sparse = [us[i] for i in sparse]
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
 
+        cut = None if sh is None else layout.Shards(sh.axis, tuple(sh.dims[i] for i in sparse))
+
         def stage(density):
             def select_all(xs):
+                if cut is not None:  # the layers' exact top-k from the shards' candidates
+                    ks = [layer_k(math.prod(cut.whole_shape(x, i)), density) for i, x in enumerate(xs)]
+                    return topk_on_shards(xs, ks, cut, sample_ratio=sample_ratio or 0.01)
                 ks = [layer_k(x.size, density) for x in xs]
                 if sample_ratio is None:
                     return [topk_select(x, k) for x, k in zip(xs, ks)]
@@ -254,7 +267,8 @@ def dgc(
                 return csel.topk_many(xs, ks, sample_ratio=sample_ratio, starts=starts)
 
             def run(us, vs):
-                means, indices, nbytes = sparse_layers_mean(vs, None, ctx.axis_name, select_all=select_all, skip=skip)
+                means, indices, nbytes = sparse_layers_mean(vs, None, ctx.axis_name, select_all=select_all, skip=skip,
+                                                            shards=cut)
                 if skip is not None:  # nothing was sent: indices past the end leave u and v as they are
                     indices = [jnp.where(skip, x.size, i) for x, i in zip(vs, indices)]
                 new_vs = [zero_at(x, i) for x, i in zip(vs, indices)]
@@ -282,5 +296,5 @@ def dgc(
 
     return compressor(
         DgcState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, init_fields=init_fields,
-        tree_fields=("velocity", "accumulator"), honours_skip=True,
+        tree_fields=("velocity", "accumulator"), honours_skip=True, on_shards=True,
     )
