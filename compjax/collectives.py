@@ -683,7 +683,8 @@ def _zeros(size: int, dtype, tag: jnp.ndarray) -> jnp.ndarray:
 
 
 def gathered_mean(
-    payload: Sequence[jnp.ndarray], decode: Callable[..., list[jnp.ndarray]], axis_name: AxisName
+    payload: Sequence[jnp.ndarray], decode: Callable[..., list[jnp.ndarray]], axis_name: AxisName,
+    *, own: Sequence[jnp.ndarray] = (),
 ) -> tuple[list[jnp.ndarray], int]:
     """Mean over workers of quantized payloads: all-gather them, decode every worker's, average.
 
@@ -696,22 +697,33 @@ def gathered_mean(
 
     Args:
       payload: this worker's payload arrays (any shapes/dtypes; empty ones are not sent).
-      decode: ``decode(*payload) -> list of arrays``, the decoder of one worker's payload.
+      decode: ``decode(*payload, *own) -> list of arrays``, the decoder of one worker's payload.
       axis_name: worker axis, or None (decode the own payload).
+      own: payload arrays that are this device's own part of its host's
+        payload (codes of its shards of layers sharded over a two-level
+        step's fast axis): each device sends them as they are (no piece of
+        them, no join inside the host) and decodes every worker's part of the
+        same shards.  Counted ``fast`` times, the host's bytes.
 
     Returns:
       ``(means, payload_bytes)``: float32 means of the decoded arrays and the
       bytes of the all-gather operands.
     """
-    payload = tuple(payload)
+    payload = tuple(payload) + tuple(own)
     nbytes = sum(_nbytes(p) for p in payload)
     if axis_name is None:
         return [d.astype(jnp.float32) for d in decode(*payload)], nbytes
     n = num_workers(axis_name)
-    sent = [i for i, p in enumerate(payload) if p.size]
+    first_own = len(payload) - len(own)
+    sent = [i for i, p in enumerate(payload[:first_own]) if p.size]
+    mine = [i for i in range(first_own, len(payload)) if payload[i].size]
     with _scope("gathered_mean"):
         arrays, nbytes = _gather_workers([payload[i] for i in sent], axis_name)
-    gathered = dict(zip(sent, arrays))
+        fast = _host_axis(axis_name)
+        for i in mine:
+            arrays.append(_all_gather(payload[i], axis_name))
+            nbytes += _nbytes(payload[i]) * (int(jax.lax.axis_size(fast)) if fast else 1)
+    gathered = dict(zip(sent + mine, arrays))
 
     def one(w):
         return [

@@ -34,6 +34,7 @@ CONVERTED = {
     "dgc": (lambda: cj.dgc(0.01, momentum=0.9, clip_norm=0.5, key=3, axis_name="data"), "cj.dgc"),
     "dgc_exact_dense_vectors": (lambda: cj.dgc(0.02, sample_ratio=None, sparsify_vectors=False, clip_norm=0.5,
                                                axis_name="data"), "cj.dgc"),
+    "onebit": (lambda: cj.onebit(axis_name="data"), "cj.onebit"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

@@ -48,6 +48,8 @@ __all__ = [
     "onebit_columns",
     "onebit_decode",
     "onebit_encode",
+    "onebit_scales",
+    "onebit_sums",
     "qsgd_bits",
     "qsgd_decode",
     "qsgd_encode",
@@ -103,17 +105,32 @@ def onebit_encode(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
       Interspeech 2014, Sec. 3.
     """
     cols = _as_columns(x).astype(jnp.float32)
-    rows = cols.shape[0]
-    # Column sums of x, |x| and of the ±1 sign give both sides' sums and counts
-    # (sum>=0 = (Σx + Σ|x|) / 2, sum<0 = (Σx - Σ|x|) / 2): three plain column
-    # reductions, much faster on CPU than masked ones.
+    return (cols >= 0).reshape(-1).astype(jnp.uint32), onebit_scales(*onebit_sums(x), cols.shape[0])
+
+
+def onebit_sums(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """The column statistics of :func:`onebit_encode`: float32 ``(cols,)`` sums of ``x`` and ``|x|``, int32 counts of ``x >= 0``.
+
+    Column sums of x, |x| and of the ±1 sign give both sides' sums and counts
+    (sum>=0 = (Σx + Σ|x|) / 2, sum<0 = (Σx - Σ|x|) / 2): three plain column
+    reductions, much faster on CPU than masked ones.  They add up over row
+    blocks: a layer cut into shards along a dimension other than its last has
+    the sums of its shards' sums.
+    """
+    cols = _as_columns(x).astype(jnp.float32)
     total = jnp.sum(cols, axis=0)
     absolute = jnp.sum(jnp.abs(cols), axis=0)
-    n_pos = jnp.sum(cols >= 0, axis=0, dtype=jnp.int32).astype(jnp.float32)  # an integer count vectorizes
+    n_pos = jnp.sum(cols >= 0, axis=0, dtype=jnp.int32)  # an integer count vectorizes
+    return total, absolute, n_pos
+
+
+def onebit_scales(total: jnp.ndarray, absolute: jnp.ndarray, n_pos: jnp.ndarray, rows: int) -> jnp.ndarray:
+    """float32 ``(2 * cols,)`` scales of :func:`onebit_encode` from its column statistics (:func:`onebit_sums`) over ``rows`` rows."""
+    n_pos = n_pos.astype(jnp.float32)
     n_neg = rows - n_pos
     pos_mean = jnp.where(n_pos > 0, (total + absolute) / 2 / jnp.maximum(n_pos, 1), 0.0)
     neg_mean = jnp.where(n_neg > 0, (total - absolute) / 2 / jnp.maximum(n_neg, 1), 0.0)
-    return (cols >= 0).reshape(-1).astype(jnp.uint32), jnp.concatenate([pos_mean, neg_mean])
+    return jnp.concatenate([pos_mean, neg_mean])
 
 
 def onebit_decode(codes: jnp.ndarray, scales: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class OnebitState(NamedTuple):
@@ -68,10 +71,39 @@ def onebit(*, skip_nonfinite: bool = True, axis_name: AxisName = None) -> optax.
     """
 
     def exchange(ps, fields, ctx):
-        means, sent, nbytes = quantized_mean(
-            ps, lambda i, x: q.onebit_encode(x), lambda i, c, s, shape: q.onebit_decode(c, s, shape), 1,
-            ctx.axis_name,
-        )
+        sh = ctx.shards
+        encode, decode = (lambda i, x: q.onebit_encode(x)), (lambda i, c, s, shape: q.onebit_decode(c, s, shape))
+        if sh is None:
+            means, sent, nbytes = quantized_mean(ps, encode, decode, 1, ctx.axis_name)
+        else:
+            means, sent, nbytes = quantized_mean_on_shards(
+                ps, encode, decode, 1, ctx.axis_name, sh, partial(_encode_shard, sh), partial(_decode_shard, sh))
         return Exchanged(means, sent, {}, nbytes)
 
-    return compressor(OnebitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True)
+    return compressor(OnebitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True,
+                      on_shards=True)
+
+
+def _by_columns(sh, i: int, x) -> bool:
+    """Whether leaf ``i`` is cut among its columns (its last dimension, ndim >= 2): each shard holds whole columns."""
+    return x.ndim >= 2 and sh.dims[i] == x.ndim - 1
+
+
+def _encode_shard(sh, i: int, x):
+    """A shard's 1-bit codes and its layer's scales: its own columns' gathered, or its rows' sums added over the fast axis."""
+    codes = q.onebit_encode(x)[0]
+    sums = q.onebit_sums(x)
+    rows = int(x.size) // q.onebit_columns(x.shape)
+    if _by_columns(sh, i, x):  # whole columns: this shard's scales, the host's gathered in the layer's order
+        own = q.onebit_scales(*sums, rows).reshape(2, -1)
+        return codes, jnp.swapaxes(collectives.gather_over_fast(own), 0, 1).reshape(-1)
+    total, absolute, n_pos = (collectives.sum_over_fast(s) for s in sums)
+    return codes, q.onebit_scales(total, absolute, n_pos, rows * sh.fast())
+
+
+def _decode_shard(sh, i: int, codes, scales, shape):
+    """A shard's values from its codes and the layer's scales (its own columns' where it holds some)."""
+    if len(shape) >= 2 and sh.dims[i] == len(shape) - 1:
+        f = jax.lax.axis_index(sh.axis).astype(jnp.int32)
+        scales = jax.lax.dynamic_index_in_dim(scales.reshape(2, sh.fast(), -1), f, axis=1, keepdims=False).reshape(-1)
+    return q.onebit_decode(codes, scales, shape)
