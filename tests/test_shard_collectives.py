@@ -35,6 +35,9 @@ CONVERTED = {
     "dgc_exact_dense_vectors": (lambda: cj.dgc(0.02, sample_ratio=None, sparsify_vectors=False, clip_norm=0.5,
                                                axis_name="data"), "cj.dgc"),
     "onebit": (lambda: cj.onebit(axis_name="data"), "cj.onebit"),
+    "identity": (lambda: cj.identity(axis_name="data"), "cj.identity"),
+    "cast_bf16": (lambda: cj.cast("bfloat16", axis_name="data"), "cj.cast"),
+    "cast_f16": (lambda: cj.cast("float16", axis_name="data"), "cj.cast"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

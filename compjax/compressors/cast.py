@@ -71,18 +71,28 @@ def cast(dtype, axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> o
 
     def exchange(ps, fields, ctx):
         low = [x.astype(wire) for x in ps]
-        if wire == jnp.float16:
-            means, nbytes = collectives.dense_mean_arrays(low, ctx.axis_name, prescale=True)
+        shards = [False] * len(low) if ctx.shards is None else [d is not None for d in ctx.shards.dims]
+        if wire == jnp.float16:  # a shard is its own piece of the host's payload
+            means, nbytes = collectives.dense_mean_arrays(low, ctx.axis_name, prescale=True, shards=shards)
         else:
-            bucket = make_bucket([x.shape for x in low])  # one all-gather for all layers
+            # One all-gather for all whole layers; shards of layers are this device's own part of the host's
+            # payload, in a second buffer sent as it is (collectives.gathered_mean(own=)).
+            whole = [i for i, s in enumerate(shards) if not s]
+            own = [i for i, s in enumerate(shards) if s]
+            buckets = [make_bucket([low[i].shape for i in at]) for at in (whole, own)]
             # Bitcast leaf by leaf, then concatenate the uint16 parts (faster on CPU
             # than concatenating bfloat16 arrays).
-            words = bucket.flatten([jax.lax.bitcast_convert_type(x, jnp.uint16) for x in low])
+            words = [b.flatten([jax.lax.bitcast_convert_type(low[i], jnp.uint16) for i in at], jnp.uint16)
+                     for b, at in zip(buckets, (whole, own))]
 
-            def decode(w):
-                return bucket.unflatten(jax.lax.bitcast_convert_type(w, jnp.bfloat16))
+            def decode(w, w_own):
+                out = [None] * len(low)
+                for b, at, x in zip(buckets, (whole, own), (w, w_own)):
+                    for i, y in zip(at, b.unflatten(jax.lax.bitcast_convert_type(x, jnp.bfloat16))):
+                        out[i] = y
+                return out
 
-            means, nbytes = collectives.gathered_mean((words,), decode, ctx.axis_name)
+            means, nbytes = collectives.gathered_mean((words[0],), decode, ctx.axis_name, own=(words[1],))
         return Exchanged(means, low, {}, nbytes)  # sent: p in the wire dtype
 
-    return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)
+    return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True)

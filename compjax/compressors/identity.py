@@ -58,7 +58,8 @@ def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> opta
     """
 
     def exchange(ps, fields, ctx):
-        means, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name)
+        shards = None if ctx.shards is None else [d is not None for d in ctx.shards.dims]
+        means, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name, shards=shards)  # a shard is its own piece
         return Exchanged(means, list(ps), {}, nbytes)  # sent: p itself
 
-    return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite)
+    return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True)
