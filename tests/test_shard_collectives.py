@@ -38,6 +38,9 @@ CONVERTED = {
     "identity": (lambda: cj.identity(axis_name="data"), "cj.identity"),
     "cast_bf16": (lambda: cj.cast("bfloat16", axis_name="data"), "cj.cast"),
     "cast_f16": (lambda: cj.cast("float16", axis_name="data"), "cj.cast"),
+    "twobit": (lambda: cj.twobit(0.01, axis_name="data"), "cj.twobit"),
+    "signsgd": (lambda: cj.signsgd(axis_name="data"), "cj.signsgd"),
+    "e3m0": (lambda: cj.e3m0(axis_name="data"), "cj.e3m0"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

@@ -67,26 +67,31 @@ def _pow2(e: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(((e + _BIAS).astype(jnp.uint32) << 23), jnp.float32)
 
 
-def scale_exponent(x: jnp.ndarray) -> jnp.ndarray:
+def scale_exponent(x: jnp.ndarray, amax: jnp.ndarray | None = None) -> jnp.ndarray:
     """``E = ceil(log2(max|x|))`` clamped to ``[-126, 127]``; 0 when ``x`` has no normal float32 entry.
 
     Args:
       x: any shape, float dtype (taken as float32, which is exact for bfloat16 and float16).
+      amax: float32 scalar ``max|x|`` when known (e.g. the largest of a layer's shards), or None.
 
     Returns:
       int32 scalar: the scale is ``2**E``.
     """
-    amax = jnp.max(jnp.abs(jnp.ravel(x).astype(jnp.float32)))
+    if amax is None:
+        amax = jnp.max(jnp.abs(jnp.ravel(x).astype(jnp.float32)))
+    amax = jnp.asarray(amax, jnp.float32)
     b, m = _fields(amax)
     e = jnp.clip(b - _BIAS + (m > 0).astype(jnp.int32), -126, 127)
     return jnp.where(b == 0, 0, e)  # zero or subnormal maximum: scale 1, every code 0
 
 
-def encode(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def encode(x: jnp.ndarray, amax: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Encode a tensor as E3M0 codes and its power-of-two scale (rules: the module docstring).
 
     Args:
       x: any shape, float dtype (float32, bfloat16, float16; computed in float32).
+      amax: the float32 scalar the scale is taken from instead of ``max|x|``
+        (a shard of a layer encodes with the layer's maximum), or None.
 
     Returns:
       ``(codes, scales)``: uint32 ``(x.size,)`` codes in 0..15 in ``x.ravel()``
@@ -108,7 +113,7 @@ def encode(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
       [4.0, -0.5, 0.0, 0.0, 0.25]
     """
     x = jnp.ravel(x).astype(jnp.float32)
-    e = scale_exponent(x)
+    e = scale_exponent(x, amax)
     b, m = _fields(jnp.abs(x))
     t = b - _BIAS + (m > SQRT2_MANTISSA).astype(jnp.int32) - e  # round(log2(|x| / scale))
     zero = (b == 0) | (t < -6)  # zero and subnormal entries, and |x| / scale < 2**-6.5

@@ -7,10 +7,11 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives
 from compjax.codecs import e3m0 as codec
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class E3m0State(NamedTuple):
@@ -94,15 +95,18 @@ def e3m0(
     """
 
     def exchange(ps, fields, ctx):
-        means, sent, nbytes = quantized_mean(
-            ps,
-            lambda i, x: codec.encode(x),
-            lambda i, c, s, shape: codec.decode(c, s, shape),
-            codec.BITS,
-            ctx.axis_name,
-        )
+        encode, decode = (lambda i, x: codec.encode(x)), (lambda i, c, s, shape: codec.decode(c, s, shape))
+        if ctx.shards is None:
+            means, sent, nbytes = quantized_mean(ps, encode, decode, codec.BITS, ctx.axis_name)
+        else:
+            def encode_shard(i, x):  # the layer's max |p|: the shards' maxima, maxed over the fast axis (exact)
+                return codec.encode(x, amax=collectives.max_over_fast(jnp.max(jnp.abs(x.astype(jnp.float32)))))
+
+            means, sent, nbytes = quantized_mean_on_shards(ps, encode, decode, codec.BITS, ctx.axis_name, ctx.shards,
+                                                           encode_shard, decode)
         return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
-        E3m0State, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback
+        E3m0State, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
+        on_shards=True,
     )

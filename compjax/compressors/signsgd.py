@@ -7,10 +7,11 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class SignsgdState(NamedTuple):
@@ -70,11 +71,20 @@ def signsgd(
     """
 
     def exchange(ps, fields, ctx):
-        means, sent, nbytes = quantized_mean(
-            ps, lambda i, x: q.sign_encode(x), lambda i, c, s, shape: q.sign_decode(c, s, shape), 1, ctx.axis_name
-        )
+        sh = ctx.shards
+        encode, decode = (lambda i, x: q.sign_encode(x)), (lambda i, c, s, shape: q.sign_decode(c, s, shape))
+        if sh is None:
+            means, sent, nbytes = quantized_mean(ps, encode, decode, 1, ctx.axis_name)
+        else:
+            def encode_shard(i, x):  # the layer's mean |p|: the shards' sums of |p| added over the fast axis
+                total = collectives.sum_over_fast(jnp.sum(jnp.abs(jnp.ravel(x).astype(jnp.float32))))
+                return q.sign_encode(x)[0], (total / (int(x.size) * sh.fast()))[None]
+
+            means, sent, nbytes = quantized_mean_on_shards(ps, encode, decode, 1, ctx.axis_name, sh, encode_shard,
+                                                           decode)
         return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
-        SignsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback
+        SignsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
+        on_shards=True,
     )

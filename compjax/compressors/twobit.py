@@ -11,7 +11,7 @@ from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class TwobitState(NamedTuple):
@@ -68,13 +68,18 @@ def twobit(
     check_range("threshold", threshold, 0.0, None, lo_open=True)
 
     def exchange(ps, fields, ctx):
-        means, sent, nbytes = quantized_mean(
-            ps,
-            lambda i, x: (q.twobit_encode(x, threshold), jnp.zeros((0,), jnp.float32)),
-            lambda i, c, s, shape: q.twobit_decode(c, threshold, shape),
-            2,
-            ctx.axis_name,
-        )
+        def encode(i, x):
+            return q.twobit_encode(x, threshold), jnp.zeros((0,), jnp.float32)
+
+        def decode(i, c, s, shape):
+            return q.twobit_decode(c, threshold, shape)
+
+        if ctx.shards is None:
+            means, sent, nbytes = quantized_mean(ps, encode, decode, 2, ctx.axis_name)
+        else:  # no statistic: each shard is encoded on its own
+            means, sent, nbytes = quantized_mean_on_shards(ps, encode, decode, 2, ctx.axis_name, ctx.shards,
+                                                           encode, decode)
         return Exchanged(means, sent, {}, nbytes)
 
-    return compressor(TwobitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True)
+    return compressor(TwobitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True,
+                      on_shards=True)
