@@ -41,6 +41,8 @@ CONVERTED = {
     "twobit": (lambda: cj.twobit(0.01, axis_name="data"), "cj.twobit"),
     "signsgd": (lambda: cj.signsgd(axis_name="data"), "cj.signsgd"),
     "e3m0": (lambda: cj.e3m0(axis_name="data"), "cj.e3m0"),
+    "terngrad": (lambda: cj.terngrad(key=3, axis_name="data"), "cj.terngrad"),
+    "qsgd": (lambda: cj.qsgd(16, key=3, axis_name="data"), "cj.qsgd"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

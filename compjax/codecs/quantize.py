@@ -41,6 +41,7 @@ deterministic functions, checkable against NumPy) and are unbiased over ``u``:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -56,6 +57,7 @@ __all__ = [
     "sign_decode",
     "sign_encode",
     "terngrad_clip",
+    "terngrad_clip_with",
     "terngrad_decode",
     "terngrad_encode",
     "twobit_decode",
@@ -181,6 +183,20 @@ def terngrad_clip(x: jnp.ndarray, clip_sigma: float) -> jnp.ndarray:
     return jnp.clip(x.astype(jnp.float32), -bound, bound)
 
 
+def terngrad_clip_with(x: jnp.ndarray, clip_sigma: float, sums: Callable, size: int) -> jnp.ndarray:
+    """:func:`terngrad_clip` of a shard ``x`` of a layer of ``size`` entries.
+
+    ``sums(s)`` turns a shard's sum into the layer's (e.g. a sum over the
+    devices that hold its shards): the mean, then the mean squared deviation
+    from it, as ``jnp.std`` computes them (equal to rounding).
+    """
+    v = x.astype(jnp.float32)
+    mean = sums(jnp.sum(v)) / size
+    std = jnp.sqrt(sums(jnp.sum(jnp.square(v - mean))) / size)
+    bound = clip_sigma * std
+    return jnp.clip(v, -bound, bound)
+
+
 def terngrad_encode(x: jnp.ndarray, scaler: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
     """Stochastic ternary codes of ``s · sign(x) ∘ b``, ``b_k ~ Bernoulli(|x_k| / s)``.
 
@@ -222,7 +238,8 @@ def qsgd_bits(levels: int) -> int:
     return math.ceil(math.log2(levels + 1)) + 1
 
 
-def qsgd_encode(x: jnp.ndarray, levels: int, u: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def qsgd_encode(x: jnp.ndarray, levels: int, u: jnp.ndarray, norm: jnp.ndarray | None = None
+                ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """``Q_s(v)_i = ‖v‖₂ · sign(v_i) · ξ_i(v, s)`` with stochastic rounding.
 
     With ``r_i = s |v_i| / ‖v‖₂`` and ``l_i = floor(r_i)``, ``ξ_i = (l_i + 1) / s``
@@ -233,6 +250,7 @@ def qsgd_encode(x: jnp.ndarray, levels: int, u: jnp.ndarray) -> tuple[jnp.ndarra
       x: a layer of any shape (flattened: ``v``).
       levels: ``s >= 1``.
       u: ``x.size`` uniform draws in [0, 1) (any shape; raveled).
+      norm: float32 scalar ``‖v‖₂`` of the layer when ``x`` is a shard of it, or None (``x``'s own).
 
     Returns:
       ``(codes, scales)``: uint32 ``(x.size,)`` codes holding the level ``l`` in
@@ -244,7 +262,7 @@ def qsgd_encode(x: jnp.ndarray, levels: int, u: jnp.ndarray) -> tuple[jnp.ndarra
       SGD via Gradient Quantization and Encoding", NeurIPS 2017, Sec. 3.1.
     """
     v = jnp.ravel(x).astype(jnp.float32)
-    norm = jnp.linalg.norm(v)
+    norm = jnp.linalg.norm(v) if norm is None else jnp.asarray(norm, jnp.float32)
     scale = jnp.where(norm > 0, levels / jnp.where(norm > 0, norm, 1.0), 0.0)  # one division per layer
     r = jnp.minimum(jnp.abs(v) * scale, jnp.float32(levels))  # rounding could put r an ulp above s
     low = jnp.floor(r)

@@ -10,6 +10,7 @@ and different across steps and workers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -62,7 +63,7 @@ def step_stream(key: jax.Array, count: jnp.ndarray, axis_name: AxisName) -> jnp.
 
 
 def step_uniforms(
-    key: jax.Array, count: jnp.ndarray, axis_name: AxisName, leaves: Sequence[jnp.ndarray]
+    key: jax.Array, count: jnp.ndarray, axis_name: AxisName, leaves: Sequence[jnp.ndarray], shards=None,
 ) -> list[jnp.ndarray]:
     """This step's and worker's uniform draws in [0, 1), one per element of each leaf.
 
@@ -73,12 +74,24 @@ def step_uniforms(
     elementwise function of an iota, so XLA computes them inside the pass that
     uses them.
 
+    With ``shards`` (a :class:`compjax.layout.Shards`: the leaves are shards
+    of layers), a shard's draws are its layer's at the shard's entries (the
+    offsets count the layers' sizes): the same numbers as for whole layers.
+
     Returns:
       float32 arrays of shapes ``(leaf.size,)``.
 
     Raises:
       ValueError: more than 2**32 elements in all.
     """
+    if shards is not None:  # the layers' draws at the shards' entries
+        sizes = [int(math.prod(shards.whole_shape(x, i))) for i, x in enumerate(leaves)]
+        bucket = make_bucket([(n,) for n in sizes])
+        if bucket.size > cr.MAX_SIZE:
+            raise ValueError(f"a stream indexes at most 2**32 elements, got {bucket.size}")
+        st = step_stream(key, count, axis_name)
+        return [cr.uniform_at(st, shards.to_whole(jax.lax.iota(jnp.int32, int(x.size)), x.shape, i).astype(jnp.uint32)
+                              + jnp.uint32(off)) for i, (x, off) in enumerate(zip(leaves, bucket.offsets))]
     bucket = make_bucket([(x.size,) for x in leaves])
     st = step_stream(key, count, axis_name)
     return [cr.uniform(st, int(x.size), int(off)) for x, off in zip(leaves, bucket.offsets)]

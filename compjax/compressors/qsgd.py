@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives
 from compjax._checks import check_range
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_uniforms
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class QsgdState(NamedTuple):
@@ -81,17 +82,29 @@ def qsgd(
     key0 = as_key(key)
 
     def exchange(ps, fields, ctx):
-        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps)
-        means, sent, nbytes = quantized_mean(
-            ps,
-            lambda i, x: q.qsgd_encode(x, levels, u[i]),
-            lambda i, c, s, shape: q.qsgd_decode(c, s, levels, shape),
-            bits,
-            ctx.axis_name,
-        )
+        sh = ctx.shards
+        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps, sh)
+
+        def decode(i, c, s, shape):
+            return q.qsgd_decode(c, s, levels, shape)
+
+        if sh is None:
+            means, sent, nbytes = quantized_mean(ps, lambda i, x: q.qsgd_encode(x, levels, u[i]), decode, bits,
+                                                 ctx.axis_name)
+        else:
+            def encode_shard(i, x):  # the layer's norm: the shards' squares added over the fast axis
+                norm = jnp.sqrt(collectives.sum_over_fast(jnp.sum(jnp.square(x.astype(jnp.float32)))))
+                return q.qsgd_encode(x, levels, u[i], norm)
+
+            # A leaf gathered whole draws at its shard's entries only: give it the layer's draws.
+            whole_u = step_uniforms(fields["key"], ctx.count, ctx.axis_name,
+                                    [jax.ShapeDtypeStruct(sh.whole_shape(x, i), x.dtype) for i, x in enumerate(ps)])
+            means, sent, nbytes = quantized_mean_on_shards(
+                ps, lambda i, x: q.qsgd_encode(x, levels, whole_u[i] if x.size != ps[i].size else u[i]), decode,
+                bits, ctx.axis_name, sh, encode_shard, decode)
         return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
         QsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite,
-        init_fields=lambda xs: {"key": jnp.array(key0)},
+        init_fields=lambda xs: {"key": jnp.array(key0)}, on_shards=True,
     )

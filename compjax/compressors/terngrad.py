@@ -14,7 +14,7 @@ from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key, step_uniforms
-from compjax.compressors.quantized import quantized_mean
+from compjax.compressors.quantized import quantized_mean, quantized_mean_on_shards
 
 
 class TerngradState(NamedTuple):
@@ -86,20 +86,41 @@ def terngrad(
     key0 = as_key(key)
 
     def exchange(ps, fields, ctx):
-        clipped = [q.terngrad_clip(x, clip_sigma) for x in ps]
+        sh = ctx.shards
+        if sh is None:
+            clipped = [q.terngrad_clip(x, clip_sigma) for x in ps]
+        else:  # a sharded layer's mean and deviation: the shards' sums added over the fast axis
+            clipped = [q.terngrad_clip(x, clip_sigma) if sh.dims[i] is None else
+                       q.terngrad_clip_with(x, clip_sigma, collectives.sum_over_fast, int(x.size) * sh.fast())
+                       for i, x in enumerate(ps)]
         local_max = jnp.stack([jnp.max(jnp.abs(x)) for x in clipped])
+        if sh is not None:  # the layers' largest |g|: the shards' maxima (exact)
+            local_max = collectives.max_over_fast(local_max)
         scalers, s_bytes = collectives.max_over_workers(local_max, ctx.axis_name)
-        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps)
-        means, _, c_bytes = quantized_mean(
-            clipped,
-            lambda i, x: (q.terngrad_encode(x, scalers[i], u[i]), jnp.zeros((0,), jnp.float32)),
-            lambda i, c, s, shape: q.terngrad_decode(c, scalers[i], shape),
-            2,
-            ctx.axis_name,
-        )
+        u = step_uniforms(fields["key"], ctx.count, ctx.axis_name, ps, sh)
+
+        def encode(i, x):
+            return q.terngrad_encode(x, scalers[i], u[i]), jnp.zeros((0,), jnp.float32)
+
+        def decode(i, c, s, shape):
+            return q.terngrad_decode(c, scalers[i], shape)
+
+        if sh is None:
+            means, _, c_bytes = quantized_mean(clipped, encode, decode, 2, ctx.axis_name)
+        else:
+            # A leaf gathered whole (its shards straddle words) draws the layer's numbers.
+            whole_u = step_uniforms(fields["key"], ctx.count, ctx.axis_name,
+                                    [jax.ShapeDtypeStruct(sh.whole_shape(x, i), x.dtype) for i, x in enumerate(ps)])
+
+            def encode_whole(i, x):
+                return q.terngrad_encode(x, scalers[i], whole_u[i] if x.size != ps[i].size else u[i]), \
+                    jnp.zeros((0,), jnp.float32)
+
+            means, _, c_bytes = quantized_mean_on_shards(clipped, encode_whole, decode, 2, ctx.axis_name, sh,
+                                                         encode, decode)
         return Exchanged(means, None, {}, bytecount.add(s_bytes, c_bytes))
 
     return compressor(
         TerngradState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite,
-        init_fields=lambda xs: {"key": jnp.array(key0)},
+        init_fields=lambda xs: {"key": jnp.array(key0)}, on_shards=True,
     )
