@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives
 from compjax._checks import check_range
 from compjax.codecs import permutation
 from compjax.codecs.sparse import layer_k
@@ -97,25 +99,34 @@ def randomk(
 
     def exchange(ps, fields, ctx):
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
+        sh = ctx.shards
+        sizes = [int(x.size) if sh is None else math.prod(sh.whole_shape(x, i)) for i, x in enumerate(ps)]
 
         def choose_all(xs):
-            ks = [layer_k(x.size, ratio) for x in xs]
+            ks = [layer_k(n, ratio) for n in sizes]
             out = []
-            for idx, x, k in zip(permutation.subsets(st, [int(x.size) for x in xs], ks), xs, ks):
-                val = jnp.ravel(x)[idx]
-                out.append((idx, val if error_feedback else val * jnp.asarray(x.size / k, val.dtype)))
+            for i, (idx, x, k, n) in enumerate(zip(permutation.subsets(st, sizes, ks), xs, ks, sizes)):
+                if sh is None or sh.dims[i] is None:
+                    val = jnp.ravel(x)[idx]
+                else:  # the layer's entries: each from the shard that holds it (zeros from the others), added
+                    at = sh.to_shard(idx, x.shape, i)
+                    mine = jnp.ravel(x).at[at].get(mode="fill", fill_value=0)
+                    val = collectives.sum_over_fast(mine)
+                out.append((idx, val if error_feedback else val * jnp.asarray(n / k, val.dtype)))
             return out
 
         pairs = choose_all(ps)
-        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=lambda _: pairs, skip=ctx.skip)
+        means, indices, nbytes = sparse_layers_mean(ps, None, ctx.axis_name, select_all=lambda _: pairs, skip=ctx.skip,
+                                                    shards=sh)
         if error_feedback:
             return Exchanged(means, SentAt(indices), {}, nbytes)
         # Scaled by d / k: what was sent is no longer p at those entries, so say it densely.
-        sent = [jnp.zeros(p.size, p.dtype).at[i].set(v.astype(p.dtype)).reshape(p.shape) for p, (i, v) in zip(ps, pairs)]
+        sent = [jnp.zeros(p.size, p.dtype).at[i].set(v.astype(p.dtype), mode="drop").reshape(p.shape)
+                for p, i, (_, v) in zip(ps, indices, pairs)]
         return Exchanged(means, sent, {}, nbytes)
 
     return compressor(
         RandomkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        honours_skip=True,
+        honours_skip=True, on_shards=True,
         init_fields=lambda xs: {"key": jnp.array(key0)},
     )
