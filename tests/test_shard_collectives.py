@@ -47,6 +47,9 @@ CONVERTED = {
     "qsgd": (lambda: cj.qsgd(16, key=3, axis_name="data"), "cj.qsgd"),
     "randomk": (lambda: cj.randomk(0.01, key=3, axis_name="data"), "cj.randomk"),
     "randomk_unbiased": (lambda: cj.randomk(0.01, key=3, error_feedback=False, axis_name="data"), "cj.randomk"),
+    "delayed_averaging_topk": (lambda: cj.delayed_averaging(1, compressor=cj.topk(0.01, axis_name="data"),
+                                                            axis_name="data"), "cj.delayed_averaging"),
+    "delayed_averaging_period": (lambda: cj.delayed_averaging(1, period=2, axis_name="data"), "cj.delayed_averaging"),
     "chunktopk_dct_senders": (lambda: cj.chunktopk(4, chunk=16, dct=True, values="float32", aggregate="senders",
                                                    axis_name="data"), "cj.chunktopk"),
 }

@@ -201,6 +201,9 @@ def delayed_averaging(
         out = [g - o.astype(g.dtype) + m.astype(g.dtype) for g, o, m in zip(ps, old, means)]
         return base.Exchanged(out, None, {"history": history, "inner": st}, 0)
 
+    # On shards: the history is elementwise and the inner compressor sees the shards (and works on them, or
+    # gathers them itself); nothing of this exchange needs a whole layer.
     return base.compressor(
-        DelayedAveragingState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, init_fields=init_fields
+        DelayedAveragingState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, init_fields=init_fields,
+        on_shards=True,
     )
