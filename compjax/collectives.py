@@ -39,7 +39,12 @@ host, :func:`uncounted`): the slow link carries each host's payload once.
 the slow link: ``fast`` times what each of its devices sends, the padding
 included; a device's own share is ``payload_bytes / fast``.  The non-finite
 vote is taken over the fast axis first (inside the host), then over the slow
-axis (4 bytes from each device).
+axis (4 bytes from each device).  Under sharded parameters a device's shard
+of a layer (or the codes of it) is already its part of the host's payload:
+:func:`dense_mean_arrays` (``shards=``) and :func:`gathered_mean` (``own=``)
+send it as it is, and a compressor working on shards reduces its per-layer
+statistics with :func:`sum_over_fast`, :func:`max_over_fast` and
+:func:`gather_over_fast` (inside the host, uncounted).
 """
 
 from __future__ import annotations

@@ -11,12 +11,19 @@ at trace time, around the optimizer's ``update``:
   fast devices (each sends ``1/fast`` of it, then the pieces are all-gathered
   over the fast axis), so the slow link carries a host's payload once, not
   ``fast`` times; the non-finite vote spans both axes.
-* :func:`compjax.compressors.base.compressor` all-gathers the sharded
-  gradient leaves and per-parameter state (residuals, DGC's velocity) over
-  the fast axis before its exchange and keeps its own shard of the results:
-  per-layer statistics (a top-k threshold, 1-bit column scales, PowerSGD's
-  factors, a clipping norm) are those of the whole layer, exactly as in the
-  replicated layout, while the state stays sharded between steps.
+* a compressor built with ``compressor(..., on_shards=True)`` (every
+  compressor of compjax) receives this device's shards of the gradient
+  leaves and per-parameter state as they are, with a :class:`Shards` that
+  says which leaves are shards along which dimension and maps flat indices
+  between a shard and its layer.  It reduces its per-layer statistics over
+  the fast axis (1-bit column sums, norms, maxima; PowerSGD's factors
+  ``P = Σ_f M_f Q_f`` or ``Q = Σ_f M_fᵀ P̂_f``), finds a layer's top-k from
+  the shards' candidates, and returns its shards: no layer crosses the fast
+  axis, and the numbers are the replicated layout's (to rounding).  A
+  compressor built without it gets whole layers:
+  :func:`compjax.compressors.base.compressor` all-gathers the sharded
+  gradient leaves and per-parameter state over the fast axis before its
+  exchange and keeps its own shard of the results.
 
 Nothing here issues a collective; outside such a step :func:`current` is None
 and compjax behaves as on a one-level mesh.

@@ -37,9 +37,12 @@ transformation:
 * **Byte counts** are exact at any size (:mod:`compjax.bytecount`).
 * **Sharded parameters.** Inside a step whose parameters are sharded over a
   fast mesh axis (:mod:`compjax.layout`, ``specs=`` in :mod:`compjax.parallel`),
-  the sharded gradient leaves and per-parameter fields are all-gathered over
-  the fast axis (inside the host) before the exchange and each device keeps
-  its own shard of the results: every statistic is the whole layer's, so the
+  an exchange built with ``on_shards=True`` (every compressor of compjax)
+  works on this device's shards (:attr:`Context.shards`), reducing its
+  per-layer statistics over the fast axis itself; for any other exchange the
+  sharded gradient leaves and per-parameter fields are all-gathered over the
+  fast axis (inside the host) before it and each device keeps its own shard
+  of the results.  Either way every statistic is the whole layer's, so the
   numbers are those of the replicated layout, and the state stays sharded.
 
 State layout: the compressor's own fields, then ``count`` (int32: updates
