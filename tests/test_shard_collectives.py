@@ -68,7 +68,7 @@ def _params():
             "w2": jnp.asarray(rng.normal(size=(256, 32)) * 0.1, jnp.float32), "b2": jnp.zeros(32)}
 
 
-def _run(tx, steps=3):
+def _run(tx, steps=3, loss_fn=None):
     """``steps`` steps of the sharded layout and of the replicated 2-D layout; the sharded compiled step's audit."""
     mesh = parallel.make_2d_mesh(SLOW, FAST)
     init = _params()
@@ -81,8 +81,9 @@ def _run(tx, steps=3):
     sp = parallel.replicate(init, mesh, specs=specs)
     ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
     first = parallel.shard_batch(batches[0], mesh, fast_axis="fast")
-    replicated = parallel.data_parallel_step(loss, tx, mesh, fast_axis="fast")
-    sharded = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, first).compile()
+    loss_fn = loss if loss_fn is None else loss_fn
+    replicated = parallel.data_parallel_step(loss_fn, tx, mesh, fast_axis="fast")
+    sharded = parallel.data_parallel_step(loss_fn, tx, mesh, specs=specs).lower(sp, ss, first).compile()
     for b in batches:
         b = parallel.shard_batch(b, mesh, fast_axis="fast")
         rp, rs, _ = replicated(rp, rs, b)
@@ -113,3 +114,17 @@ def _operand_bytes(dtype: str, shape: tuple) -> int:
     """Bytes of one HLO operand (``"f32"``, ``"u16"``, ``"s32"``, ``"pred"``...)."""
     bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
     return int(np.prod(shape, dtype=np.int64)) * bits // 8
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc_exact_dense_vectors"])
+def test_top_k_on_shards_breaks_ties_as_the_whole_layer_does(name):
+    """Gradients of a few distinct magnitudes: most of a layer's top-k is decided by the lowest index among
+    equal magnitudes, across shards cut along the columns (w1) and along the rows (w2)."""
+    rng = np.random.default_rng(2)
+    consts = {k: jnp.asarray(rng.integers(-2, 3, size=v.shape), jnp.float32) for k, v in _params().items()}
+
+    def tied(p, batch):
+        return sum(jnp.sum(p[k] * c) for k, c in consts.items()) + 0.0 * jnp.sum(batch[0])
+
+    make, _ = CONVERTED[name]
+    _run(optax.chain(make(), optax.sgd(0.1)), steps=2, loss_fn=tied)
