@@ -21,10 +21,10 @@ With ``min_quorum`` = all learners, no grace limit and learners that wait for ea
 (plain or with fragments) run as one SPMD program.
 """
 
-from compjax.decoupled.learner import Learner, LearnerStats
-from compjax.decoupled.messages import Contribution, Header, Reply, message_bytes
+from compjax.decoupled.learner import Learner, LearnerStats, default_worker_index
+from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.syncer import Syncer
 from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
 
 __all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats", "Reply",
-           "Syncer", "Transport", "message_bytes"]
+           "Start", "Syncer", "Transport", "default_worker_index", "message_bytes"]

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +19,9 @@ import optax
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
 from compjax.compressors.identity import identity
-from compjax.decoupled.messages import Contribution, Header, Reply, message_bytes
+from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.transport import Transport
+from compjax.workers import is_key
 
 logger = logging.getLogger("compjax.decoupled")
 
@@ -34,6 +36,22 @@ def _default_compressor() -> optax.GradientTransformation:
 def _encoder(compressor: optax.GradientTransformation) -> Callable:
     """``(outer_gradient, comm_state) -> (decoded, comm_state)``, jitted once per compressor."""
     return jax.jit(lambda delta, state: compressor.update(delta, state))
+
+
+def _fold_keys(state: Any, index: int) -> Any:
+    """``state`` with every PRNG key field (a leaf named ``key``) replaced by ``fold_in(key, index)``."""
+
+    def fold(path, x):
+        last = path[-1] if path else None
+        name = getattr(last, "name", getattr(last, "key", None))
+        return jax.random.fold_in(x, index) if name == "key" and is_key(x) else x
+
+    return jax.tree_util.tree_map_with_path(fold, state)
+
+
+def default_worker_index(name: str) -> int:
+    """The worker index of a learner named ``name`` when none is given: CRC-32 of its UTF-8 bytes, in [0, 2**31)."""
+    return zlib.crc32(str(name).encode()) & 0x7FFFFFFF
 
 
 @dataclasses.dataclass
@@ -91,6 +109,20 @@ class Learner:
     current global values and is mixed in the same way; other refusals are
     recorded in :attr:`stats` and logged.
 
+    **Random compressors.**  A compressor that draws random numbers (random-k, QSGD,
+    TernGrad) keeps a PRNG key in its state, the same for every learner built from
+    it; its draws then differ by step but not by learner.  The learner folds its
+    ``worker_index`` into every such key (each state field named ``key``:
+    ``fold_in(key, worker_index)``) when it initializes the compressor, so that two
+    learners with different indices draw different numbers, reproducibly.
+
+    **Joining a running system.**  ``start`` (from :meth:`Syncer.register
+    <compjax.decoupled.Syncer.register>`, or a transport's join) sets every
+    fragment's parameters and anchor to the syncer's current global values and the
+    versions to the syncer's, so the first contribution is from the current model
+    (staleness 0); ``params`` then gives only the structure and the leaves that no
+    fragment holds.
+
     Args:
       name: this learner's name (as the syncer knows it).
       train_step: ``(params, inner_state, batch) -> (params, inner_state, loss)``.
@@ -105,6 +137,10 @@ class Learner:
         ``wait_for_merge``).
       wait_for_merge: block after each send until the merged fragment comes back.
       reply_timeout_s: the longest wait for one reply, > 0, or None (forever).
+      worker_index: folded into the compressor's PRNG keys, an integer in [0, 2**31);
+        default :func:`default_worker_index` of ``name`` (distinct names draw differently).
+      start: a :class:`~compjax.decoupled.Start` to begin from (the fragments' global values
+        and versions), or None to begin from ``params`` at version 0.
 
     Attributes:
       params: the current parameters (the pytree ``train_step`` moves).
@@ -113,7 +149,8 @@ class Learner:
       stats: :class:`LearnerStats`.
 
     Raises:
-      ValueError: an argument outside the ranges above.
+      ValueError: an argument outside the ranges above, or a ``start`` whose fragments,
+        shapes or versions do not fit ``params`` and ``fragments``.
       TimeoutError: (from :meth:`step` and :meth:`finish`) no reply within ``reply_timeout_s``.
 
     References:
@@ -153,12 +190,16 @@ class Learner:
         alpha: float = 0.5,
         wait_for_merge: bool = False,
         reply_timeout_s: float | None = None,
+        worker_index: int | None = None,
+        start: Start | None = None,
     ):
         check_range("sync_every", sync_every, 1, None, integer=True, static=True)
         check_range("fragments", fragments, 1, None, integer=True, static=True)
         check_range("alpha", alpha, 0.0, 1.0)
         if reply_timeout_s is not None:
             check_range("reply_timeout_s", reply_timeout_s, 0.0, None, lo_open=True)
+        index = default_worker_index(name) if worker_index is None else worker_index
+        check_range("worker_index", index, 0, 2**31 - 1, integer=True, static=True)
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
             raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
         if not callable(train_step):
@@ -180,8 +221,11 @@ class Learner:
         self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
         self._tx = _default_compressor() if compressor is None else compressor
         self._encode = _encoder(self._tx)
-        self._comm = [self._tx.init(a) for a in self._anchor]
+        self.worker_index = int(index)
+        self._comm = [_fold_keys(self._tx.init(a), self.worker_index) for a in self._anchor]
         self._version = [0] * len(self._index)
+        if start is not None:
+            self._begin_at(start)
         self._tokens = [0.0] * len(self._index)
         self._outstanding: dict[int, int] = {}  # fragment -> inner step of its send
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{name}")
@@ -193,6 +237,26 @@ class Learner:
     def fragments(self) -> int:
         """The number of fragments."""
         return len(self._index)
+
+    def versions(self) -> list[int]:
+        """Per fragment, the syncer's version this learner's anchor comes from."""
+        return list(self._version)
+
+    def _begin_at(self, start: Start) -> None:
+        if not isinstance(start, Start) or len(start.values) != self.fragments or len(start.versions) != self.fragments:
+            raise ValueError(f"start must be a Start with {self.fragments} fragments' values and versions, got {start!r}")
+        leaves, treedef = jax.tree.flatten(self.params)
+        for p, (values, version) in enumerate(zip(start.values, start.versions)):
+            if len(values) != len(self._anchor[p]) or any(
+                    np.shape(v) != a.shape for v, a in zip(values, self._anchor[p])):
+                raise ValueError(f"start: fragment {p}'s values do not have the shapes of its leaves in params")
+            if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+                raise ValueError(f"start: fragment {p}'s version must be an integer >= 0, got {version!r}")
+            self._anchor[p] = [jnp.asarray(v, dtype=a.dtype) for v, a in zip(values, self._anchor[p])]
+            self._version[p] = int(version)
+            for i, g in zip(self._index[p], self._anchor[p]):
+                leaves[i] = jnp.asarray(g).astype(jnp.asarray(leaves[i]).dtype)
+        self.params = jax.tree.unflatten(treedef, leaves)
 
     def compressor_state(self, fragment: int) -> Any:
         """The compressor's state of ``fragment``: this learner's own (e.g. its error-feedback residual)."""

@@ -115,3 +115,20 @@ class Reply:
     values: tuple[np.ndarray, ...] | None
     accepted: bool = True
     reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a learner starts: every fragment's global values and version, as the syncer holds them now.
+
+    What :meth:`Syncer.register <compjax.decoupled.Syncer.register>` returns and what
+    :class:`~compjax.decoupled.Learner` takes as ``start=`` (a learner that joins a running
+    system starts from the current global model, not from the initial parameters).
+
+    Attributes:
+      values: per fragment, its global values (one NumPy array per leaf, float32 or wider).
+      versions: per fragment, the number of merges made of it.
+    """
+
+    values: tuple[tuple[np.ndarray, ...], ...]
+    versions: tuple[int, ...]

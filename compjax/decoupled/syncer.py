@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
 import threading
@@ -18,7 +19,7 @@ import optax
 
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
-from compjax.decoupled.messages import Contribution, Header, Reply
+from compjax.decoupled.messages import Contribution, Header, Reply, Start
 from compjax.decoupled.transport import Incoming, Transport
 
 logger = logging.getLogger("compjax.decoupled")
@@ -83,6 +84,17 @@ class Syncer:
     change.  The header is checked before the arrays are pulled from the
     transport, so nothing larger than the fragment is ever allocated.
 
+    **Membership.**  :meth:`register` adds a learner while the syncer runs (a late
+    join) and returns its starting point, the current global values and versions
+    (:class:`Start`).  With ``heartbeat_timeout_s`` set, the syncer keeps the time
+    of each learner's last message (a contribution, or :meth:`heartbeat`, which a
+    transport calls for every message it receives); a learner silent for longer
+    is **lost**: a ``WARNING`` names it with the wall-clock time of its last
+    message, :attr:`lost` records it, and rounds stop waiting for it (a round
+    merges once every learner not lost has contributed, even below
+    ``min_quorum``; otherwise the grace window bounds the wait).  A lost learner
+    that speaks again is counted again.
+
     Args:
       params: the initial global parameters (a pytree; every learner starts from them).
       learners: the names of the learners allowed to contribute (distinct strings).
@@ -95,10 +107,15 @@ class Syncer:
         None (default) waits forever.
       max_staleness: the largest staleness accepted, an integer >= 0.
       staleness_decay: ``α >= 0`` of the weight ``e^{−α τ}`` of a stale contribution.
+      heartbeat_timeout_s: seconds of silence after which a learner is lost, > 0; None
+        (default) never declares one lost.
 
     Attributes:
+      learners: the names of the known learners (a tuple; :meth:`register` appends).
       refused: ``(learner, fragment, reason)`` of every refused contribution, in order.
       merges: ``(fragment, version, learners)`` of every merge, in order.
+      lost: ``(learner, last_seen)`` of every learner declared lost, in order; ``last_seen``
+        is the wall-clock time of its last message (``time.time()`` seconds).
 
     Raises:
       ValueError: any argument outside the ranges above, or ``outer`` not an optax
@@ -137,6 +154,7 @@ class Syncer:
         grace_s: float | None = None,
         max_staleness: int = 0,
         staleness_decay: float = 0.0,
+        heartbeat_timeout_s: float | None = None,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -148,6 +166,8 @@ class Syncer:
             check_range("grace_s", grace_s, 0.0, None, lo_open=True)
         check_range("max_staleness", max_staleness, 0, None, integer=True, static=True)
         check_range("staleness_decay", staleness_decay, 0.0, None)
+        if heartbeat_timeout_s is not None:
+            check_range("heartbeat_timeout_s", heartbeat_timeout_s, 0.0, None, lo_open=True)
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         self.learners = tuple(names)
@@ -155,6 +175,7 @@ class Syncer:
         self.grace_s = None if grace_s is None else float(grace_s)
         self.max_staleness = int(max_staleness)
         self.staleness_decay = float(staleness_decay)
+        self.heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
         self._outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
         leaves, self._treedef = jax.tree.flatten(params)
         self._others = [np.array(x, copy=True) for x in leaves]  # never-synchronized leaves, as given
@@ -169,6 +190,10 @@ class Syncer:
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
         self.merges: list[tuple[int, int, tuple[str, ...]]] = []
+        self.lost: list[tuple[str, float]] = []
+        now = time.monotonic()
+        self._seen = {name: (now, time.time()) for name in names}  # monotonic and wall-clock time
+        self._lost: set[str] = set()
 
     # --- what a learner starts from ---------------------------------------------------------------
 
@@ -196,6 +221,55 @@ class Syncer:
         with self._lock:
             return tuple(np.array(x, copy=True) for x in self._global[fragment])
 
+    def start(self) -> Start:
+        """The current global values and versions of every fragment (what a joining learner starts from)."""
+        with self._lock:
+            return Start(tuple(tuple(np.array(x, copy=True) for x in g) for g in self._global), tuple(self._version))
+
+    def register(self, name: str, *, now: float | None = None) -> Start:
+        """Add learner ``name`` if it is new (a late join); its starting point either way.
+
+        A new learner may contribute from then on (its first contribution is taken from the
+        versions returned here, staleness 0); ``min_quorum`` stays as it was.  Registering a
+        known name changes nothing (a learner reconnecting, e.g. after a syncer restart) except
+        that it counts as a message (:meth:`heartbeat`).
+
+        Args:
+          name: the learner's name, a non-empty string.
+          now: the time in seconds (``time.monotonic()`` by default).
+
+        Returns:
+          :class:`Start`: the current global values and versions.
+
+        Raises:
+          ValueError: ``name`` is not a non-empty string.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        with self._lock:
+            if name not in self._last_merged:
+                self.learners = (*self.learners, name)
+                self._last_merged[name] = [-1] * self.fragments
+                logger.info("learner %r joined at versions %s", name, self._version)
+            self.heartbeat(name, now=now)
+            return self.start()
+
+    def heartbeat(self, name: str, *, now: float | None = None) -> None:
+        """Note a message from learner ``name`` (unknown names are ignored); a lost learner counts again."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if name not in self._seen and name not in self._last_merged:
+                return
+            self._seen[name] = (now, time.time())
+            if name in self._lost:
+                self._lost.discard(name)
+                logger.warning("learner %r is back after it was lost", name)
+
+    def live(self) -> tuple[str, ...]:
+        """The known learners not lost."""
+        with self._lock:
+            return tuple(k for k in self.learners if k not in self._lost)
+
     def global_params(self) -> Any:
         """The global model in the structure of ``params``: each synchronized leaf in its own dtype."""
         with self._lock:
@@ -206,18 +280,18 @@ class Syncer:
             return jax.tree.unflatten(self._treedef, out)
 
     def state(self) -> dict:
-        """The syncer's whole numeric state as a pytree (what :meth:`save` writes).
+        """The syncer's numeric state as a pytree (the arrays :meth:`save` writes).
 
         ``{"global": per fragment the list of global leaves, "outer": per fragment the outer
-        optimizer state, "version": int32 (fragments,), "last_merged": int32 (learners, fragments)
-        in the order of ``learners``}``.
+        optimizer state, "version": int32 (fragments,)}``.  The learners and their last-merged
+        counters (:meth:`last_merged`) are saved beside it, as the checkpoint's JSON metadata, so
+        that a checkpoint taken after late joins restores into a syncer built with the original list.
         """
         with self._lock:
             return {
                 "global": [list(g) for g in self._global],
                 "outer": list(self._outer),
                 "version": np.asarray(self._version, np.int32),
-                "last_merged": np.asarray([self._last_merged[k] for k in self.learners], np.int32),
             }
 
     # --- contributions ------------------------------------------------------------------------------
@@ -293,6 +367,8 @@ class Syncer:
         h = incoming.header
         now = time.monotonic() if now is None else now
         with self._lock:
+            if isinstance(h.learner, str):
+                self.heartbeat(h.learner, now=now)
             why = self.admit(h)
             if not why:
                 try:
@@ -309,17 +385,39 @@ class Syncer:
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
             self._rounds[p].entries[h.learner] = (weight, values, tau)
-            if len(self._rounds[p].entries) >= self.min_quorum:
+            if len(self._rounds[p].entries) >= self._quorum():
                 return self._merge_round(p)
             return []
 
+    def _quorum(self) -> int:
+        """Contributions that merge a round now: ``min_quorum``, or fewer when learners were lost."""
+        return max(1, min(self.min_quorum, len(self.learners) - len(self._lost)))
+
+    def _check_lost(self, now: float) -> None:
+        if self.heartbeat_timeout_s is None:
+            return
+        for name in self.learners:
+            last, wall = self._seen.get(name, (now, time.time()))
+            if name not in self._lost and now - last > self.heartbeat_timeout_s:
+                self._lost.add(name)
+                self.lost.append((name, wall))
+                when = datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds")
+                logger.warning("learner %r lost: no message for %.1f s (last at %s)", name, now - last, when)
+
     def tick(self, *, now: float | None = None) -> list[Reply]:
-        """Merge every open round whose grace window has ended; the replies to send."""
+        """Declare silent learners lost; merge every open round whose grace window ended or whose quorum is met.
+
+        The quorum is ``min_quorum``, or every learner not lost when fewer are left.  Returns the
+        replies to send.
+        """
         now = time.monotonic() if now is None else now
         out = []
         with self._lock:
+            self._check_lost(now)
             for p, r in enumerate(self._rounds):
-                if r is not None and self.grace_s is not None and now - r.opened >= self.grace_s:
+                if r is None:
+                    continue
+                if len(r.entries) >= self._quorum() or (self.grace_s is not None and now - r.opened >= self.grace_s):
                     out += self._merge_round(p)
         return out
 
@@ -403,31 +501,39 @@ class Syncer:
         from compjax.checkpoint import Checkpointer  # orbax stays out of ``import compjax``
 
         with self._lock, Checkpointer(directory) as ckpt:
-            ckpt.save(int(step), self.state(), extra={"learners": list(self.learners)})
+            ckpt.save(int(step), self.state(), extra={"learners": list(self.learners),
+                                                      "last_merged": self.last_merged()})
 
     def restore(self, directory: str | Path, *, step: int | None = None) -> int:
         """Load a checkpoint of :meth:`save` into this syncer (built with the same arguments); its step.
 
         The global parameters, outer state, versions and last-merged counters come back
-        bit-identical; open rounds are dropped.
+        bit-identical; open rounds are dropped, and every learner counts as just seen (none lost).
+        The checkpoint's learners may be more than this syncer's (learners that joined late):
+        they are registered, in the checkpoint's order.
 
         Raises:
           FileNotFoundError: no checkpoint in ``directory`` (or not ``step``).
-          ValueError: the checkpoint's learners, fragments, leaf shapes or dtypes or outer
-            state differ from this syncer's.
+          ValueError: a learner of this syncer that the checkpoint does not have, or the
+            checkpoint's fragments, leaf shapes or dtypes or outer state differ from this syncer's.
         """
         from compjax.checkpoint import Checkpointer
 
         with self._lock, Checkpointer(directory) as ckpt:
             step = ckpt.latest_step() if step is None else int(step)
             state, extra = ckpt.restore(self.state(), step=step)
-            if extra.get("learners") != list(self.learners):
-                raise ValueError(f"the checkpoint's learners {extra.get('learners')} differ from this syncer's "
-                                 f"{list(self.learners)}: build the syncer with the same learners")
+            saved = list(extra.get("learners", []))
+            missing = [k for k in self.learners if k not in saved]
+            if missing:
+                raise ValueError(f"the checkpoint's learners {saved} lack this syncer's {missing}: build the syncer "
+                                 f"with learners from the checkpoint's list (later ones join with register)")
             self._global = [list(g) for g in state["global"]]
             self._outer = list(state["outer"])
             self._version = [int(v) for v in np.asarray(state["version"])]
-            self._last_merged = {k: [int(v) for v in row] for k, row in zip(self.learners,
-                                                                              np.asarray(state["last_merged"]))}
+            self.learners = tuple(saved)
+            self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
             self._rounds = [None] * self.fragments
+            now = time.monotonic()
+            self._seen = {k: (now, time.time()) for k in saved}
+            self._lost = set()
             return int(step)

@@ -1,0 +1,119 @@
+"""Decoupled DiLoCo's membership, in one process: learners that draw their own random numbers, a late join
+from the syncer's current state, a checkpoint with a grown learner list, and lost learners."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import compjax as cj
+from compjax.decoupled import InProcessTransport, Learner, Start, Syncer
+from tests.test_decoupled_syncer import init, message, snapshot
+
+
+def sgd_step(params, inner_state, target):
+    return jax.tree.map(lambda x: x - 0.1 * (x - target), params), inner_state, 0.0
+
+
+def sent_after_two_steps(compressor, **kwargs):
+    """The decoded message a fresh learner sends after two inner steps (sync_every=2)."""
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=2, compressor=compressor, **kwargs)
+    lrn.step(1.0)
+    lrn.step(1.0)
+    values = transport.receive(timeout=30).pull()
+    lrn._sender.shutdown(wait=True)
+    return [np.asarray(v) for v in values]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: cj.randomk(0.5, key=3, skip_nonfinite=False),
+    lambda: cj.qsgd(4, key=3, skip_nonfinite=False),
+    lambda: cj.terngrad(key=3, skip_nonfinite=False),
+], ids=["randomk", "qsgd", "terngrad"])
+def test_learners_fold_their_index_into_the_compressor_keys(make):
+    tx = make()
+    a0, a0_again, a1 = (sent_after_two_steps(tx, worker_index=i) for i in (0, 0, 1))
+    assert all(np.array_equal(x, y) for x, y in zip(a0, a0_again))  # reproducible
+    assert not all(np.array_equal(x, y) for x, y in zip(a0, a1))  # but another learner draws otherwise
+    by_name = [sent_after_two_steps(tx, worker_index=None) for _ in range(2)]  # the default: from the name
+    assert all(np.array_equal(x, y) for x, y in zip(*by_name))
+
+
+def test_bad_worker_index_and_start_raise():
+    transport = InProcessTransport(["a"])
+    with pytest.raises(ValueError, match="worker_index"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=2, worker_index=-1)
+    with pytest.raises(ValueError, match="start"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=2, start=Start(((),), (0,)))
+
+
+def test_a_late_joiner_starts_from_the_current_state_and_its_first_contribution_is_merged():
+    s = Syncer(init(), learners=["a"], fragments=2, outer=optax.sgd(1.0), min_quorum=1)
+    for v in range(2):
+        for p in range(2):
+            assert s.submit(message(s, "a", p, v, 1.0, seed=10 * v + p))[0].accepted
+    start = s.register("b")
+    assert s.learners == ("a", "b") and start.versions == (2, 2)
+    for p in range(2):
+        for x, y in zip(start.values[p], s.fragment_values(p)):
+            np.testing.assert_array_equal(x, y)
+    transport = InProcessTransport(["b"])
+    lrn = Learner("b", sgd_step, init(), (), transport, sync_every=2, fragments=2, start=start)
+    assert lrn.versions() == [2, 2]
+    for x, y in zip(jax.tree.leaves(lrn.params), jax.tree.leaves(s.global_params())):
+        np.testing.assert_array_equal(x, y)  # the parameters are the global model's, not init()'s
+    lrn.step(1.0)  # fragment 1 is due after step 1 (offset 2 * 1 // 2)
+    incoming = transport.receive(timeout=30)
+    assert incoming.header.base_version == 2
+    replies = s.handle(incoming)
+    assert [(r.learner, r.accepted) for r in replies] == [("b", True)]
+    assert s.merges[-1] == (1, 3, ("b",)) and s.last_merged()["b"] == [-1, 3]
+    assert s.register("b").versions == (2, 3) and s.learners == ("a", "b")  # a known name: nothing added
+
+
+def test_a_checkpoint_after_a_late_join_restores_into_a_syncer_built_with_the_first_learners(tmp_path):
+    s = Syncer(init(), learners=["x", "y"], fragments=2, min_quorum=2)
+    s.register("z")
+    for v in range(2):
+        s.submit(message(s, "x", 0, v, 1.0, seed=2 * v))
+        s.submit(message(s, "z", 0, v, 3.0, seed=2 * v + 1))
+    s.save(tmp_path / "ckpt", step=2)
+    fresh = Syncer(init(), learners=["x", "y"], fragments=2, min_quorum=2)
+    assert fresh.restore(tmp_path / "ckpt") == 2
+    assert fresh.learners == ("x", "y", "z")
+    assert fresh.last_merged() == s.last_merged() == {"x": [2, -1], "y": [-1, -1], "z": [2, -1]}
+    assert snapshot(fresh) == snapshot(s)
+    with pytest.raises(ValueError, match="learners"):
+        Syncer(init(), learners=["x", "w"], fragments=2).restore(tmp_path / "ckpt")
+
+
+def test_a_silent_learner_is_lost_named_and_the_others_stop_waiting_for_it(caplog):
+    s = Syncer(init(), learners=["a", "b"], heartbeat_timeout_s=5.0)  # min_quorum: both
+    s.heartbeat("a", now=0.0)
+    s.heartbeat("b", now=0.0)
+    assert s.submit(message(s, "a", 0, 0, 1.0, seed=1), now=1.0) == []  # waits for b
+    s.heartbeat("a", now=4.0)
+    assert s.tick(now=4.0) == [] and s.lost == []
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.tick(now=6.0)  # b silent for 6 s > 5 s: lost, and a's round merges without it
+    assert [(r.learner, r.version) for r in replies] == [("a", 1)]
+    assert [name for name, _ in s.lost] == ["b"] and s.live() == ("a",)
+    assert any("'b' lost" in r.getMessage() for r in caplog.records)
+    # a alone merges at once now; a lost learner that speaks again is waited for again
+    assert [r.learner for r in s.submit(message(s, "a", 0, 1, 1.0, seed=2), now=7.0)] == ["a"]
+    s.heartbeat("b", now=8.0)
+    assert s.live() == ("a", "b")
+    assert s.submit(message(s, "a", 0, 2, 1.0, seed=3), now=9.0) == []
+
+
+def test_without_a_heartbeat_timeout_no_learner_is_ever_lost():
+    s = Syncer(init(), learners=["a", "b"])
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1), now=0.0)
+    assert s.tick(now=1e9) == [] and s.lost == [] and s.versions() == [0]
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        Syncer(init(), learners=["a"], heartbeat_timeout_s=0.0)
