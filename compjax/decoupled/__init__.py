@@ -23,8 +23,10 @@ With ``min_quorum`` = all learners, no grace limit and learners that wait for ea
 
 from compjax.decoupled.learner import Learner, LearnerStats, default_worker_index
 from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
+from compjax.decoupled.multiprocess import MultiProcessTransport
 from compjax.decoupled.syncer import Syncer
 from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
 
-__all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats", "Reply",
+__all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats",
+           "MultiProcessTransport", "Reply",
            "Start", "Syncer", "Transport", "default_worker_index", "message_bytes"]

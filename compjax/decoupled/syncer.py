@@ -481,6 +481,7 @@ class Syncer:
             grace windows again, > 0.
         """
         check_range("poll_s", poll_s, 0.0, None, lo_open=True)
+        transport.attach(self)
         while not stop.is_set():
             deadline = self.next_deadline()
             wait = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))

@@ -45,6 +45,13 @@ class Transport(abc.ABC):
     call from any thread.
     """
 
+    def attach(self, syncer) -> None:
+        """Called by :meth:`Syncer.serve <compjax.decoupled.Syncer.serve>` with the syncer it serves.
+
+        A transport that handles membership itself (joins: ``syncer.register(name)``; liveness:
+        ``syncer.heartbeat(name)``) keeps it; the default ignores it.
+        """
+
     @abc.abstractmethod
     def send(self, contribution: Contribution) -> None:
         """Deliver ``contribution`` to the syncer (may block while the bytes move)."""

@@ -1,0 +1,455 @@
+"""Learners and the syncer as separate processes: ZeroMQ control frames, arrays over ``jax.experimental.transfer``.
+
+The syncer binds a ZeroMQ ROUTER socket; each learner connects a DEALER socket whose identity is its
+name.  Control messages are small JSON frames:
+
+* ``hello`` (learner -> syncer): join, or rejoin after a syncer restart; answered by ``welcome``
+  (the syncer's id, every fragment's version, and a transfer id under which the syncer offers the
+  current global values).
+* ``heartbeat`` (learner -> syncer, every ``heartbeat_s``), answered by a ``heartbeat`` carrying the
+  syncer's id: the syncer counts the learner alive (:meth:`Syncer.heartbeat
+  <compjax.decoupled.Syncer.heartbeat>`), the learner notices a restarted syncer (a new id) and says
+  ``hello`` again.
+* ``header`` (learner -> syncer): a :class:`~compjax.decoupled.Header`, the transfer id of its
+  arrays and the learner's transfer address.  The syncer pulls the arrays only after it admitted
+  the header, into buffers of the header's (checked) shapes and dtypes; a header it did not pull is
+  answered by ``release``, on which the learner drops its offer.
+* ``reply`` (syncer -> learner): a :class:`~compjax.decoupled.Reply` without its arrays, plus the
+  transfer id under which the syncer offers them.
+
+Arrays move with ``jax.experimental.transfer``: every process runs one transfer server on
+127.0.0.1; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
+``connect(address).pull(uuid, specs)``.  A pull from a process that died fails at once; a pull
+that hangs is abandoned after ``pull_timeout_s`` (the contribution is refused).
+
+ZeroMQ rather than gRPC: no schema compiler or generated stubs, ROUTER/DEALER sockets that address
+peers by name and reconnect by themselves (a restarted syncer on the same address is found again
+without any code here).  ``pyzmq`` is an optional dependency: ``pip install 'compjax[decoupled]'``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+
+import jax
+import numpy as np
+
+from compjax._checks import check_range
+from compjax.decoupled.messages import Contribution, Header, Reply, Start
+from compjax.decoupled.transport import Incoming, Transport
+
+logger = logging.getLogger("compjax.decoupled")
+
+_SERVER: list = []  # this process's transfer server, started on first use
+_SERVER_LOCK = threading.Lock()
+
+
+def _zmq():
+    try:
+        import zmq
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("compjax.decoupled.MultiProcessTransport needs pyzmq: "
+                          "pip install 'compjax[decoupled]' (or pip install pyzmq)") from e
+    return zmq
+
+
+def transfer_server():
+    """This process's ``jax.experimental.transfer`` server on 127.0.0.1 (started on the first call)."""
+    from jax.experimental import transfer
+
+    with _SERVER_LOCK:
+        if not _SERVER:
+            client = jax.local_devices()[0].client
+            _SERVER.append(transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"]))
+        return _SERVER[0]
+
+
+def _specs(shapes, dtypes) -> list:
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return [jax.ShapeDtypeStruct(tuple(int(d) for d in s), np.dtype(t), sharding=sharding)
+            for s, t in zip(shapes, dtypes)]
+
+
+def _bounded(fn, timeout: float, what: str):
+    """``fn()`` on a helper thread, waited for at most ``timeout`` seconds (a hung transfer stays behind)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="compjax-transfer")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"{what}: no answer within {timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _offer(arrays) -> int:
+    """Offer ``arrays`` (NumPy or JAX) for one pull on this process's transfer server; their transfer id."""
+    uuid = secrets.randbits(62)
+    device = jax.local_devices()[0]
+    transfer_server().await_pull(uuid, [jax.device_put(np.asarray(x), device) for x in arrays])
+    return uuid
+
+
+def _pull(address: str, uuid: int, shapes, dtypes, timeout: float, what: str) -> tuple:
+    if not shapes:
+        return ()
+    specs = _specs(shapes, dtypes)
+    got = _bounded(lambda: transfer_server().connect(address).pull(uuid, specs), timeout, what)
+    return tuple(np.asarray(x) for x in got)
+
+
+def _header_dict(h: Header) -> dict:
+    d = dataclasses.asdict(h)
+    d["shapes"] = [list(s) for s in h.shapes]
+    d["dtypes"] = list(h.dtypes)
+    return d
+
+
+def _header_from(d: dict) -> Header:
+    d = dict(d)
+    d["shapes"] = tuple(tuple(s) for s in d["shapes"])
+    d["dtypes"] = tuple(d["dtypes"])
+    return Header(**d)
+
+
+@dataclasses.dataclass
+class _Record:
+    """The syncer side's record of the last received header: whose, its transfer id, whether pulled."""
+
+    identity: bytes
+    uuid: int
+    pulled: bool = False
+
+
+class MultiProcessTransport(Transport):
+    """Learners and the syncer in separate processes (ZeroMQ control, ``jax.experimental.transfer`` arrays).
+
+    Build one per process with :meth:`for_syncer` (binds the address) or :meth:`for_learner`
+    (connects to it); each serves one side of :class:`~compjax.decoupled.Transport` and raises
+    ``RuntimeError`` for the other side's methods.  Addresses are ZeroMQ TCP endpoints on
+    127.0.0.1 (``tcp://127.0.0.1:PORT``; port 0 picks a free one, see :attr:`address`).
+
+    The syncer side answers ``hello`` through the syncer that :meth:`attach` gave it
+    (:meth:`Syncer.serve <compjax.decoupled.Syncer.serve>` attaches itself): a new name is
+    registered (a late join) and every learner gets the current global values.  The learner side
+    runs a background thread that sends heartbeats and receives frames, so a learner inside a long
+    step (a compile) stays alive for the syncer.  When the syncer restarts (a new id in its
+    heartbeats), the learner side says ``hello`` again and hands the learner, through
+    :meth:`poll`, one refusal per fragment that carries the restarted syncer's global values and
+    versions (``reason`` starts with ``'syncer restarted'``): the learner resumes from them as from
+    a stale refusal.
+
+    Args (of the constructors):
+      address: the syncer's endpoint.
+      name: (learner) the learner's name, also its ZeroMQ identity.
+      heartbeat_s: (learner) seconds between heartbeats, > 0.
+      pull_timeout_s: the longest wait for one array transfer, > 0.
+
+    Raises:
+      ImportError: pyzmq is not installed (``pip install 'compjax[decoupled]'``).
+      ValueError: an address not on 127.0.0.1 over TCP, or a timeout <= 0.
+    """
+
+    def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float):
+        zmq = _zmq()
+        if not (isinstance(address, str) and address.startswith("tcp://127.0.0.1:")):
+            raise ValueError(f"address must be a TCP endpoint on 127.0.0.1 (tcp://127.0.0.1:PORT), got {address!r}")
+        check_range("heartbeat_s", heartbeat_s, 0.0, None, lo_open=True)
+        check_range("pull_timeout_s", pull_timeout_s, 0.0, None, lo_open=True)
+        self.role, self.name = role, name
+        self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
+        self._ctx = zmq.Context()
+        self._zmq = zmq
+        self._closed = threading.Event()
+        self.id = secrets.token_hex(8)  # this endpoint's id (the syncer's is sent in every heartbeat)
+        if role == "syncer":
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a learner restarted under its name takes its place
+            self._sock.bind(address)
+            self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._syncer = None
+            self._record: _Record | None = None
+        else:
+            self.address = address
+            self._out: queue.Queue = queue.Queue()
+            self._inbox: queue.Queue = queue.Queue()
+            self._pending: collections.deque = collections.deque()
+            self._welcomes: queue.Queue = queue.Queue()
+            self._syncer_id: str | None = None
+            self._offers: dict[int, tuple] = {}  # transfer id -> (shapes, dtypes, fragment) of an unanswered send
+            self._offers_lock = threading.Lock()
+            self._io = threading.Thread(target=self._learner_loop, daemon=True, name=f"compjax-zmq-{name}")
+            self._io.start()
+
+    @classmethod
+    def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0) -> MultiProcessTransport:
+        """The syncer's side, bound to ``address`` (see the class docstring)."""
+        return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s)
+
+    @classmethod
+    def for_learner(cls, name: str, address: str, *, heartbeat_s: float = 1.0,
+                    pull_timeout_s: float = 60.0) -> MultiProcessTransport:
+        """Learner ``name``'s side, connected to the syncer at ``address`` (see the class docstring)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s)
+
+    def _need(self, role: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"this is the {self.role}'s side of the transport; that method is the {role}'s")
+
+    def close(self) -> None:
+        """Stop the background thread and close the socket (offers already made stay until the process exits)."""
+        self._closed.set()
+        if self.role == "learner":
+            self._io.join(timeout=10)
+        else:
+            self._sock.close(linger=1000)  # up to 1 s for the frames still queued (the last replies)
+        self._ctx.term()
+
+    # --- syncer side ------------------------------------------------------------------------------------
+
+    def attach(self, syncer) -> None:
+        """Answer ``hello`` and heartbeats through ``syncer`` (its ``register`` and ``heartbeat``)."""
+        self._need("syncer")
+        self._syncer = syncer
+
+    def _send_to(self, identity: bytes, msg: dict) -> None:
+        try:
+            self._sock.send_multipart([identity, json.dumps(msg).encode()], flags=self._zmq.NOBLOCK)
+        except self._zmq.ZMQError as e:  # an unreachable peer: dropped
+            logger.info("transport: could not send %s to %r: %s", msg.get("type"), identity, e)
+
+    def _release_last(self) -> None:
+        r, self._record = self._record, None
+        if r is not None and not r.pulled:
+            self._send_to(r.identity, {"type": "release", "uuid": r.uuid})
+
+    def receive(self, timeout: float | None = 0.0) -> Incoming | None:
+        self._need("syncer")
+        self._release_last()  # the previous header was handled: its offer goes back if it was not pulled
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(None if wait is None else int(wait * 1000)):
+                return None
+            identity, raw = self._sock.recv_multipart()[:2]
+            incoming = self._on_frame(identity, raw)
+            if incoming is not None:
+                return incoming
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _on_frame(self, identity: bytes, raw: bytes) -> Incoming | None:
+        try:
+            msg = json.loads(raw)
+            kind = msg["type"]
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("transport: dropped a malformed frame from %r: %s", identity, e)
+            return None
+        name = identity.decode(errors="replace")
+        if kind == "heartbeat":
+            if self._syncer is not None:
+                self._syncer.heartbeat(name)
+            self._send_to(identity, {"type": "heartbeat", "syncer": self.id})
+        elif kind == "hello":
+            self._welcome(identity, name)
+        elif kind == "header":
+            try:
+                header, uuid, address = _header_from(msg["header"]), int(msg["uuid"]), str(msg["address"])
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("transport: dropped a malformed header frame from %r: %s", name, e)
+                if isinstance(msg.get("uuid"), int):
+                    self._send_to(identity, {"type": "release", "uuid": msg["uuid"]})
+                return None
+            if header.learner != name:
+                logger.warning("transport: dropped a header from %r that claims to be learner %r", name, header.learner)
+                self._send_to(identity, {"type": "release", "uuid": uuid})
+                return None
+            record = self._record = _Record(identity, uuid)
+
+            def pull(h=header):
+                record.pulled = True
+                return _pull(address, uuid, h.shapes, h.dtypes, self._pull_timeout, f"pull from learner {name!r}")
+
+            return Incoming(header, pull)
+        else:
+            logger.warning("transport: dropped a frame of unknown type %r from %r", kind, name)
+        return None
+
+    def _welcome(self, identity: bytes, name: str) -> None:
+        if self._syncer is None:
+            logger.warning("transport: hello from %r before a syncer was attached: ignored", name)
+            return
+        try:
+            start = self._syncer.register(name)
+        except ValueError as e:
+            logger.warning("transport: hello from %r refused: %s", name, e)
+            return
+        flat = [x for values in start.values for x in values]
+        self._send_to(identity, {
+            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "uuid": _offer(flat),
+            "address": transfer_server().address(),
+            "shapes": [[list(x.shape) for x in values] for values in start.values],
+            "dtypes": [[x.dtype.str for x in values] for values in start.values]})
+
+    def reply(self, reply: Reply) -> None:
+        self._need("syncer")
+        r = self._record
+        if r is not None and not reply.accepted and r.identity == reply.learner.encode() and not r.pulled:
+            self._release_last()  # a header refused before its pull: the learner drops its offer now
+        msg = {"type": "reply", "learner": reply.learner, "fragment": reply.fragment, "version": reply.version,
+               "accepted": reply.accepted, "reason": reply.reason, "uuid": None}
+        if reply.values is not None:
+            msg.update(uuid=_offer(reply.values), address=transfer_server().address(),
+                       shapes=[list(x.shape) for x in reply.values], dtypes=[x.dtype.str for x in reply.values])
+        self._send_to(reply.learner.encode(), msg)
+
+    # --- learner side -----------------------------------------------------------------------------------
+
+    def _learner_loop(self) -> None:
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(self.address)
+        beat = 0.0
+        try:
+            while not self._closed.is_set():
+                while True:
+                    try:
+                        sock.send(self._out.get_nowait(), flags=zmq.NOBLOCK)
+                    except queue.Empty:
+                        break
+                    except zmq.ZMQError as e:
+                        logger.info("learner %r: a frame could not be queued: %s", self.name, e)
+                if time.monotonic() - beat >= self._heartbeat_s:
+                    beat = time.monotonic()
+                    try:
+                        sock.send(json.dumps({"type": "heartbeat"}).encode(), flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                if sock.poll(50):
+                    self._on_learner_frame(sock.recv())
+        finally:
+            sock.close(linger=0)
+
+    def _say(self, msg: dict) -> None:
+        self._out.put(json.dumps(msg).encode())
+
+    def _on_learner_frame(self, raw: bytes) -> None:
+        try:
+            msg = json.loads(raw)
+            kind = msg["type"]
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("learner %r: dropped a malformed frame: %s", self.name, e)
+            return
+        if kind == "heartbeat":
+            if self._syncer_id is not None and msg.get("syncer") != self._syncer_id:
+                logger.warning("learner %r: the syncer restarted (id %s): rejoining", self.name, msg.get("syncer"))
+                self._syncer_id = None
+                self._say({"type": "hello"})
+        elif kind == "welcome":
+            first = self._welcomes.qsize() == 0 and not getattr(self, "_joined", False)
+            self._syncer_id = msg.get("syncer")
+            (self._welcomes if first else self._inbox).put(msg)
+        elif kind == "reply":
+            self._inbox.put(msg)
+        elif kind == "release":
+            with self._offers_lock:
+                offer = self._offers.pop(msg.get("uuid"), None)
+            if offer is not None:  # pull our own offer: the transfer server lets go of the arrays
+                try:
+                    _pull(transfer_server().address(), msg["uuid"], offer[0], offer[1], self._pull_timeout, "release")
+                except Exception as e:  # noqa: BLE001 - a release that fails leaves one offer behind
+                    logger.info("learner %r: releasing offer %s failed: %s", self.name, msg["uuid"], e)
+
+    def join(self, timeout: float | None = None) -> Start:
+        """Say ``hello`` and wait for the syncer's ``welcome``: the starting point for :class:`Learner`'s ``start``.
+
+        Raises:
+          TimeoutError: no welcome within ``timeout`` seconds (None: wait forever).
+        """
+        self._need("learner")
+        self._say({"type": "hello"})
+        try:
+            msg = self._welcomes.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"learner {self.name!r}: no welcome from the syncer at {self.address} "
+                               f"within {timeout} s") from None
+        self._joined = True
+        return self._start_of(msg)
+
+    def _start_of(self, msg: dict) -> Start:
+        flat_shapes = [s for frag in msg["shapes"] for s in frag]
+        flat_dtypes = [d for frag in msg["dtypes"] for d in frag]
+        flat = list(_pull(msg["address"], int(msg["uuid"]), flat_shapes, flat_dtypes, self._pull_timeout,
+                          "pull of the syncer's global values"))
+        values = []
+        for frag in msg["shapes"]:
+            values.append(tuple(flat[:len(frag)]))
+            flat = flat[len(frag):]
+        return Start(tuple(values), tuple(int(v) for v in msg["versions"]))
+
+    def send(self, contribution: Contribution) -> None:
+        self._need("learner")
+        h = contribution.header
+        uuid = _offer(contribution.values)
+        with self._offers_lock:
+            self._offers[uuid] = (h.shapes, h.dtypes, h.fragment)
+        self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
+                   "address": transfer_server().address()})
+
+    def poll(self, learner: str, timeout: float | None = 0.0) -> Reply | None:
+        self._need("learner")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = self._inbox.get(block=wait is None or wait > 0, timeout=wait)
+            except queue.Empty:
+                return None
+            try:
+                if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
+                    start = self._start_of(msg)
+                    why = f"syncer restarted: resuming from its global model at versions {list(start.versions)}"
+                    self._pending.extend(Reply(self.name, p, v, vals, accepted=False, reason=why)
+                                         for p, (vals, v) in enumerate(zip(start.values, start.versions)))
+                    continue
+                values = None
+                if msg.get("uuid") is not None:
+                    values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
+                                   self._pull_timeout, "pull of a merged fragment")
+                with self._offers_lock:  # this fragment's offers were pulled, or released before this reply
+                    for uuid in [u for u, o in self._offers.items() if o[2] == int(msg["fragment"])]:
+                        del self._offers[uuid]
+                return Reply(self.name, int(msg["fragment"]), int(msg["version"]), values,
+                             accepted=bool(msg["accepted"]), reason=str(msg["reason"]))
+            except Exception as e:  # noqa: BLE001 - a reply that cannot be received is dropped
+                logger.warning("learner %r: dropped a reply that could not be received: %s: %s",
+                               self.name, type(e).__name__, e)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def __repr__(self) -> str:
+        return f"MultiProcessTransport(role={self.role!r}, name={self.name!r}, address={self.address!r})"
