@@ -51,8 +51,8 @@ def run_syncer(run: dict, out: Path, stop: threading.Event) -> None:
                     grace_s=run.get("grace_s"), max_staleness=run.get("max_staleness", 0),
                     heartbeat_timeout_s=run.get("heartbeat_timeout_s"))
     ckpt = run.get("checkpoint")
-    if ckpt and run.get("restore"):
-        say(f"restored step {syncer.restore(ckpt)}")
+    if run.get("restore_from"):
+        say(f"restored step {syncer.restore(run['restore_from'])}")
         save_params(out / f"restored_{run['name']}.npz", syncer.global_params())
     transport = MultiProcessTransport.for_syncer(run["address"])
     say(f"syncer bound {transport.address}")
@@ -64,8 +64,9 @@ def run_syncer(run: dict, out: Path, stop: threading.Event) -> None:
     while not stop.is_set() and server.is_alive():
         if ckpt and len(syncer.merges) > saved:
             saved = len(syncer.merges)
-            syncer.save(ckpt, saved)  # the state of at least ``saved`` merges, under the syncer's lock
-            say(f"saved step {saved}")
+            step = sum(syncer.versions())  # merges made, restored ones included: grows across restarts
+            syncer.save(ckpt, step)  # the state of at least ``step`` merges, taken under the syncer's lock
+            say(f"saved step {step}")
         if reached is None and target is not None and min(syncer.versions()) >= target:
             reached = time.monotonic()
             say(f"syncer reached {target} {run['name']}")
@@ -86,9 +87,6 @@ def run_syncer(run: dict, out: Path, stop: threading.Event) -> None:
 def run_learner(run: dict, out: Path) -> None:
     """Join the syncer, train ``steps`` inner steps on worker ``index``'s data (or until the stop file), finish."""
     name, index = run["name_self"], run["index"]
-    transport = MultiProcessTransport.for_learner(name, run["address"])
-    start = transport.join(timeout=run.get("join_timeout_s", 120))
-    say(f"learner {name} joined at versions {list(start.versions)}")
     inner = optax.sgd(LR)
 
     @jax.jit
@@ -98,10 +96,15 @@ def run_learner(run: dict, out: Path) -> None:
         return optax.apply_updates(params, updates), inner_state, 0.0
 
     params0 = init_params()
+    transport = MultiProcessTransport.for_learner(name, run["address"])  # connected; joins after the warm-up
     lrn = Learner(name, train_step, params0, inner.init(params0), transport, sync_every=run["H"],
                   fragments=run["P"], compressor=compressor(run["comp"]), wait_for_merge=run.get("wait", True),
-                  reply_timeout_s=run.get("reply_timeout_s", 120), worker_index=index, start=start)
+                  reply_timeout_s=run.get("reply_timeout_s", 120), worker_index=index)
     data = targets(run["steps"], run["n"])
+    lrn.warm_up(jax.tree.map(lambda x: x[index], data[0]))  # compile first, then join: the first send is fresh
+    start = transport.join(timeout=run.get("join_timeout_s", 120))
+    lrn.start_from(start)
+    say(f"learner {name} joined at versions {list(start.versions)}")
     stop_file = Path(run["stop_file"]) if run.get("stop_file") else None
     for s in range(run["steps"]):
         if stop_file is not None and stop_file.exists():
@@ -120,41 +123,56 @@ def run_learner(run: dict, out: Path) -> None:
 
 
 def run_bad(run: dict, out: Path) -> None:
-    """Join as a known learner and send each bad contribution of ``run["cases"]``; print the syncer's answers."""
+    """Join as learner ``name_self``, send one good contribution (merged: min_quorum 1), then each bad one of
+    ``run["cases"]``; write the syncer's answers, the merged values and the offers released."""
     name = run["name_self"]
     transport = MultiProcessTransport.for_learner(name, run["address"])
     start = transport.join(timeout=120)
     good = start.values[0]
     answers = []
-    for case in run["cases"]:
-        values = [np.array(v, np.float32) for v in good]
-        fields = {"learner": name, "fragment": 0, "base_version": start.versions[0], "tokens": 8.0, "step": 1,
-                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values),
-                  "payload_bytes": sum(v.nbytes for v in values)}
+    merged = None
+    for case in ["good", *run["cases"]]:
+        values = [np.array(v, np.float32) * 0.01 for v in good]
+        fields = {"learner": name, "fragment": 0, "base_version": start.versions[0] + (case != "good"),
+                  "tokens": 8.0, "step": 1, "shapes": tuple(v.shape for v in values),
+                  "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": sum(v.nbytes for v in values)}
+        sender = transport
         if case == "nonfinite":
             values[0][0] = np.nan
         elif case == "wrong_fragment":
             fields["fragment"] = 7
         elif case == "wrong_shape":
-            values[0] = values[0].reshape(-1)
+            values[0] = values[0].reshape(1, -1)
             fields["shapes"] = tuple(v.shape for v in values)
         elif case == "wrong_dtype":
-            values[0] = values[0].astype(np.float64)
+            values[0] = values[0].astype(np.float16)
             fields["dtypes"] = tuple(v.dtype.str for v in values)
-        elif case == "too_large":
-            values.append(np.zeros(1 << 16, np.float32))
-            fields["shapes"] = tuple(v.shape for v in values)
-            fields["dtypes"] = tuple(v.dtype.str for v in values)
+        elif case == "too_large":  # 4 TiB declared: refused before a byte is allocated (the arrays are small)
+            fields["shapes"] = ((1 << 40,), *fields["shapes"][1:])
         elif case == "stale":
-            fields["base_version"] = -1
+            fields["base_version"] = start.versions[0]  # the good contribution made it one version old
         elif case == "bad_tokens":
             fields["tokens"] = float("inf")
-        transport.send(Contribution(Header(**fields), tuple(values)))
-        reply = transport.poll(name, timeout=60)
-        answers.append([case, None if reply is None else [reply.accepted, reply.reason]])
+        elif case == "unknown":  # a process that never said hello: no reply, its offer released
+            sender = MultiProcessTransport.for_learner("intruder", run["address"])
+            fields["learner"] = "intruder"
+        sender.send(Contribution(Header(**fields), tuple(values)))
+        if case == "unknown":
+            deadline = time.monotonic() + 60
+            while sender.released < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            answers.append([case, ["released", sender.released]])
+            sender.close()
+        else:
+            reply = transport.poll(name, timeout=60)
+            answers.append([case, None if reply is None else [reply.accepted, reply.reason]])
+            if case == "good" and reply is not None:
+                merged = reply.values
         say(f"bad {case}: {answers[-1][1]}")
+    if merged is not None:
+        np.savez(out / "merged_by_good.npz", *merged)
+    (out / f"bad_{name}.json").write_text(json.dumps({"answers": answers, "released": transport.released}))
     transport.close()
-    (out / f"bad_{name}.json").write_text(json.dumps(answers))
     say(f"bad done {name}")
 
 

@@ -153,3 +153,142 @@ def test_two_learner_processes_equal_diloco_in_one_spmd_program(tmp_path, procs)
             mine = load(tmp_path / f"learner_{run['name']}_l{w}.npz")
             for a, b in zip(mine, jax.tree.leaves(hist[-1])):
                 np.testing.assert_allclose(a, b[w], rtol=1e-5, atol=1e-5, err_msg=run["name"])
+
+
+def fault_config(tmp_path, **run) -> dict:
+    """One run of P=1, H=2 with learners that wait for each merge and train until the stop file appears."""
+    return {"out": str(tmp_path), "n": 3, "P": 1, "H": 2, "steps": 100000, "comp": "identity", "wait": True,
+            "step_sleep": 0.05, "stop_file": str(tmp_path / "stop"), "address": free_address(),
+            "runs": [{"name": "run", **run}]}
+
+
+def merges_in(log: str) -> list[tuple[int, list[str], str]]:
+    """(version, learners, why) of every merge the syncer logged."""
+    out = []
+    for line in log.splitlines():
+        if "merged fragment" in line:
+            head, _, tail = line.partition(" from ")
+            names, _, why = tail.rpartition(" (")
+            out.append((int(head.split("(version ")[1].rstrip(")")), names.split(", "), why.rstrip(")")))
+    return out
+
+
+def start_learners(procs, tmp_path, config, names, indices=None):
+    indices = range(len(names)) if indices is None else indices
+    return [start(procs, "learner", {**config, "name_self": n, "index": i}, tmp_path / f"{n}.log")
+            for n, i in zip(names, indices)]
+
+
+def test_a_learner_killed_with_sigkill_is_logged_lost_and_the_other_goes_on(tmp_path, procs):
+    """min_quorum both, grace 3 s, heartbeat timeout 5 s: after b's SIGKILL, a's syncs are merged without it."""
+    config = fault_config(tmp_path, learners=["a", "b"], grace_s=3.0, heartbeat_timeout_s=5.0, max_staleness=2)
+    syncer = start(procs, "syncer", config, tmp_path / "syncer.log")
+    syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
+    a, b = start_learners(procs, tmp_path, config, ["a", "b"])
+    syncer.wait_for("(version 3) from", "the first merges of a and b", timeout=START_S)
+    b.p.send_signal(signal.SIGKILL)
+    b.exit_code("b killed")
+    killed_at = len(merges_in(syncer.text()))
+    syncer.wait_for("learner 'b' lost", "b's loss noticed by the syncer")
+    lost_at = len(merges_in(syncer.text()))
+    syncer.wait_for("merged fragment", "a's syncs after b's loss", count=lost_at + 3)
+    (tmp_path / "stop").touch()
+    assert a.exit_code("a's end") == 0, a.tail()
+    syncer.stop()
+    merges = merges_in(syncer.text())
+    assert all(names == ["a"] for _, names, _ in merges[killed_at + 1:]), merges  # the one in flight may hold b
+    assert all(why == "quorum" for _, _, why in merges[lost_at:]), merges  # no more waiting for b once lost
+    assert "no message for" in syncer.text()
+    summary = json.loads((tmp_path / "syncer_run.json").read_text())
+    assert summary["lost"] == ["b"] and not summary["refused"], summary
+    assert json.loads((tmp_path / "learner_run_a.json").read_text())["refusals"] == []
+
+
+def test_a_late_joiner_starts_from_the_current_model_and_its_first_contribution_is_merged(tmp_path, procs):
+    config = fault_config(tmp_path, learners=["a", "b"], min_quorum=2, grace_s=5.0, max_staleness=8)
+    syncer = start(procs, "syncer", config, tmp_path / "syncer.log")
+    syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
+    start_learners(procs, tmp_path, config, ["a", "b"])
+    syncer.wait_for("(version 2) from", "the first merges of a and b", timeout=START_S)
+    (c,) = start_learners(procs, tmp_path, config, ["c"], indices=[2])
+    c.wait_for("learner c joined", "c's join", timeout=START_S)
+    syncer.wait_for("learner 'c' joined", "c's registration")
+    c.wait_for("learner c step 1 ", "c's first step", timeout=START_S)
+    c.wait_for("learner c step 11 ", "c's next syncs")
+    (tmp_path / "stop").touch()
+    for p in procs[1:]:
+        assert p.exit_code("the learners' end") == 0, p.tail()
+    syncer.stop()
+    summary = json.loads((tmp_path / "syncer_run.json").read_text())
+    stats = json.loads((tmp_path / "learner_run_c.json").read_text())
+    assert summary["learners"] == ["a", "b", "c"] and not summary["refused"], summary
+    assert stats["start_versions"][0] >= 2  # the global model at its join, not the initial one
+    assert stats["sends"][0] >= 5 and stats["refusals"] == []  # every reply to c, its first included, a merge
+    with_c = [m for m in merges_in(syncer.text()) if "c" in m[1]]
+    assert len(with_c) == stats["sends"][0] and with_c[0][0] > stats["start_versions"][0], with_c
+
+
+def test_a_restarted_syncer_resumes_bit_identical_to_its_checkpoint_and_learners_reconnect(tmp_path, procs):
+    from compjax.decoupled import Syncer
+    from tests.test_diloco import init_params
+
+    ckpt = tmp_path / "ckpt"
+    config = fault_config(tmp_path, learners=["a", "b"], max_staleness=4, checkpoint=str(ckpt))
+    syncer = start(procs, "syncer", config, tmp_path / "syncer.log")
+    syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
+    learners = start_learners(procs, tmp_path, config, ["a", "b"])
+    syncer.wait_for("saved step 3", "the first checkpoints", timeout=START_S)
+    syncer.p.send_signal(signal.SIGKILL)
+    syncer.exit_code("syncer killed")
+    again = start(procs, "syncer", {**config, "runs": [{**config["runs"][0], "name": "after", "restore_from": str(ckpt),
+                                                        "checkpoint": str(tmp_path / "ckpt2")}]},
+                  tmp_path / "syncer2.log")
+    again.wait_for("syncer bound", "restarted syncer start-up", timeout=START_S)
+    step = int(again.text().split("restored step ")[1].split()[0])
+    for lrn in learners:
+        lrn.wait_for("the syncer restarted", f"{lrn.log_path.stem} noticing the restart")
+    again.wait_for("merged fragment", "merges after the restart", count=3)
+    (tmp_path / "stop").touch()
+    for lrn in learners:
+        assert lrn.exit_code("the learners' end") == 0, lrn.tail()
+    again.stop()
+    reference = Syncer(init_params(), learners=["a", "b"])
+    assert reference.restore(ckpt, step=step) == step
+    restored = load(tmp_path / "restored_after.npz")
+    for x, y in zip(restored, jax.tree.leaves(reference.global_params())):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()  # bit-identical
+    assert sum(reference.versions()) >= 3
+    summary = json.loads((tmp_path / "syncer_after.json").read_text())
+    assert summary["merges"] and all(sorted(m[2]) == ["a", "b"] for m in summary["merges"]), summary
+    assert summary["versions"][0] > reference.versions()[0]
+
+
+BAD = ["nonfinite", "wrong_fragment", "wrong_shape", "wrong_dtype", "too_large", "stale", "bad_tokens", "unknown"]
+
+
+def test_bad_contributions_over_the_wire_are_refused_and_the_model_is_unchanged(tmp_path, procs):
+    config = fault_config(tmp_path, learners=["bad"], min_quorum=1, max_staleness=0)
+    config["runs"][0]["cases"] = BAD
+    syncer = start(procs, "syncer", config, tmp_path / "syncer.log")
+    syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
+    client = start(procs, "bad", {**config, "name_self": "bad"}, tmp_path / "bad.log")
+    client.wait_for("bad done bad", "the bad contributions", timeout=START_S)
+    assert client.exit_code("the client's end") == 0, client.tail()
+    syncer.stop()
+    result = json.loads((tmp_path / "bad_bad.json").read_text())
+    answers = {case: answer for case, answer in result["answers"]}
+    assert answers.pop("good")[0] is True
+    assert answers.pop("unknown") == ["released", 1]  # no reply to a stranger, but its offer was let go
+    reasons = {"nonfinite": "non-finite", "wrong_fragment": "wrong fragment", "wrong_shape": "wrong shape",
+               "wrong_dtype": "wrong shape or dtype", "too_large": "bytes declared", "stale": "stale",
+               "bad_tokens": "tokens"}
+    for case, why in reasons.items():
+        accepted, reason = answers[case]
+        assert not accepted and why in reason, (case, reason)
+    assert result["released"] == len(reasons) - 1  # every refusal but the non-finite one was never pulled
+    summary = json.loads((tmp_path / "syncer_run.json").read_text())
+    assert summary["versions"] == [1] and len(summary["refused"]) == len(BAD), summary
+    assert any("unknown learner 'intruder'" in r[2] for r in summary["refused"])
+    merged = load(tmp_path / "merged_by_good.npz")
+    for x, y in zip(load(tmp_path / "global_run.npz"), merged):
+        assert x.tobytes() == y.astype(x.dtype).tobytes()  # the model is the good merge's, bit for bit

@@ -242,6 +242,29 @@ class Learner:
         """Per fragment, the syncer's version this learner's anchor comes from."""
         return list(self._version)
 
+    def warm_up(self, batch: Any) -> None:
+        """Compile before joining: one ``train_step`` on the current state (its result discarded) and one encode.
+
+        A learner that joins a running system should compile first and join after
+        (:meth:`start_from`): its first contribution is then taken a few steps after the
+        starting point, not a compile later, when the others may have merged more than
+        ``max_staleness`` times.  ``train_step`` must not change its arguments in place (a pure
+        JAX step does not).
+        """
+        jax.block_until_ready(self._step_fn(self.params, self.inner_state, batch))
+        for p in range(self.fragments):
+            jax.block_until_ready(self._encode([jnp.zeros_like(a) for a in self._anchor[p]], self._comm[p]))
+
+    def start_from(self, start: Start) -> None:
+        """Set every fragment's parameters, anchor and version to ``start``'s (a late join; see ``start=``).
+
+        Raises:
+          ValueError: ``start`` does not fit (fragments, shapes, versions), or a send is in flight.
+        """
+        if self._outstanding:
+            raise ValueError(f"start_from needs no send in flight; fragments {sorted(self._outstanding)} await replies")
+        self._begin_at(start)
+
     def _begin_at(self, start: Start) -> None:
         if not isinstance(start, Start) or len(start.values) != self.fragments or len(start.versions) != self.fragments:
             raise ValueError(f"start must be a Start with {self.fragments} fragments' values and versions, got {start!r}")

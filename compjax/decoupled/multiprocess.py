@@ -154,6 +154,12 @@ class MultiProcessTransport(Transport):
     versions (``reason`` starts with ``'syncer restarted'``): the learner resumes from them as from
     a stale refusal.
 
+    Attributes:
+      address: the syncer's endpoint (on the syncer's side, the one bound: its port if 0 was asked).
+      id: this endpoint's random id (the syncer's tells its learners of a restart).
+      released: (learner) offers given back at the syncer's request (contributions it refused
+        without pulling their arrays).
+
     Args (of the constructors):
       address: the syncer's endpoint.
       name: (learner) the learner's name, also its ZeroMQ identity.
@@ -193,6 +199,7 @@ class MultiProcessTransport(Transport):
             self._welcomes: queue.Queue = queue.Queue()
             self._syncer_id: str | None = None
             self._offers: dict[int, tuple] = {}  # transfer id -> (shapes, dtypes, fragment) of an unanswered send
+            self.released = 0
             self._offers_lock = threading.Lock()
             self._io = threading.Thread(target=self._learner_loop, daemon=True, name=f"compjax-zmq-{name}")
             self._io.start()
@@ -253,8 +260,6 @@ class MultiProcessTransport(Transport):
             incoming = self._on_frame(identity, raw)
             if incoming is not None:
                 return incoming
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
 
     def _on_frame(self, identity: bytes, raw: bytes) -> Incoming | None:
         try:
@@ -379,6 +384,7 @@ class MultiProcessTransport(Transport):
             if offer is not None:  # pull our own offer: the transfer server lets go of the arrays
                 try:
                     _pull(transfer_server().address(), msg["uuid"], offer[0], offer[1], self._pull_timeout, "release")
+                    self.released += 1
                 except Exception as e:  # noqa: BLE001 - a release that fails leaves one offer behind
                     logger.info("learner %r: releasing offer %s failed: %s", self.name, msg["uuid"], e)
 
@@ -414,7 +420,8 @@ class MultiProcessTransport(Transport):
         h = contribution.header
         uuid = _offer(contribution.values)
         with self._offers_lock:
-            self._offers[uuid] = (h.shapes, h.dtypes, h.fragment)
+            self._offers[uuid] = (tuple(np.shape(v) for v in contribution.values),
+                                  tuple(np.asarray(v).dtype.str for v in contribution.values), h.fragment)
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
                    "address": transfer_server().address()})
 

@@ -89,7 +89,7 @@ class Syncer:
     (:class:`Start`).  With ``heartbeat_timeout_s`` set, the syncer keeps the time
     of each learner's last message (a contribution, or :meth:`heartbeat`, which a
     transport calls for every message it receives); a learner silent for longer
-    is **lost**: a ``WARNING`` names it with the wall-clock time of its last
+    is **lost** (one not heard from yet is not: it may be starting up): a ``WARNING`` names it with the wall-clock time of its last
     message, :attr:`lost` records it, and rounds stop waiting for it (a round
     merges once every learner not lost has contributed, even below
     ``min_quorum``; otherwise the grace window bounds the wait).  A lost learner
@@ -191,8 +191,7 @@ class Syncer:
         self.refused: list[tuple[str, int, str]] = []
         self.merges: list[tuple[int, int, tuple[str, ...]]] = []
         self.lost: list[tuple[str, float]] = []
-        now = time.monotonic()
-        self._seen = {name: (now, time.time()) for name in names}  # monotonic and wall-clock time
+        self._seen: dict[str, tuple[float, float]] = {}  # learner -> its last message (monotonic, wall-clock)
         self._lost: set[str] = set()
 
     # --- what a learner starts from ---------------------------------------------------------------
@@ -386,7 +385,7 @@ class Syncer:
                 self._rounds[p] = _Round(opened=now)
             self._rounds[p].entries[h.learner] = (weight, values, tau)
             if len(self._rounds[p].entries) >= self._quorum():
-                return self._merge_round(p)
+                return self._merge_round(p, "quorum")
             return []
 
     def _quorum(self) -> int:
@@ -397,8 +396,10 @@ class Syncer:
         if self.heartbeat_timeout_s is None:
             return
         for name in self.learners:
-            last, wall = self._seen.get(name, (now, time.time()))
-            if name not in self._lost and now - last > self.heartbeat_timeout_s:
+            if name not in self._seen or name in self._lost:
+                continue  # not heard from yet (starting up): the grace window bounds the wait for it
+            last, wall = self._seen[name]
+            if now - last > self.heartbeat_timeout_s:
                 self._lost.add(name)
                 self.lost.append((name, wall))
                 when = datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds")
@@ -417,8 +418,10 @@ class Syncer:
             for p, r in enumerate(self._rounds):
                 if r is None:
                     continue
-                if len(r.entries) >= self._quorum() or (self.grace_s is not None and now - r.opened >= self.grace_s):
-                    out += self._merge_round(p)
+                if len(r.entries) >= self._quorum():
+                    out += self._merge_round(p, "quorum")
+                elif self.grace_s is not None and now - r.opened >= self.grace_s:
+                    out += self._merge_round(p, "grace window")
         return out
 
     def next_deadline(self) -> float | None:
@@ -453,7 +456,7 @@ class Syncer:
         version = self._version[h.fragment] if ok else -1
         return [Reply(h.learner, int(h.fragment) if ok else -1, version, values, accepted=False, reason=why)]
 
-    def _merge_round(self, p: int) -> list[Reply]:
+    def _merge_round(self, p: int, why: str) -> list[Reply]:
         r = self._rounds[p]
         self._rounds[p] = None
         names = list(r.entries)
@@ -465,7 +468,7 @@ class Syncer:
         for k in names:
             self._last_merged[k][p] = self._version[p]
         self.merges.append((p, self._version[p], tuple(names)))
-        logger.info("merged fragment %d (version %d) from %s", p, self._version[p], ", ".join(names))
+        logger.info("merged fragment %d (version %d) from %s (%s)", p, self._version[p], ", ".join(names), why)
         values = tuple(np.array(x, copy=True) for x in new)
         return [Reply(k, p, self._version[p], values) for k in names]
 
@@ -486,9 +489,15 @@ class Syncer:
             deadline = self.next_deadline()
             wait = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
             incoming = transport.receive(timeout=wait)
-            replies = self.handle(incoming) if incoming is not None else []
-            replies += self.tick()
-            for reply in replies:
+            # Everything already queued is taken before the grace windows and the heartbeats are checked:
+            # after a long merge (a first compile) the learners' queued messages count as heard now.
+            for _ in range(256):
+                if incoming is None or stop.is_set():
+                    break
+                for reply in self.handle(incoming):
+                    transport.reply(reply)  # at once: a transport pairs a refusal with the header it answers
+                incoming = transport.receive(timeout=0.0)
+            for reply in self.tick():
                 transport.reply(reply)
 
     def save(self, directory: str | Path, step: int) -> None:
