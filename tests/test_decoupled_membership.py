@@ -4,6 +4,7 @@ from the syncer's current state, a checkpoint with a grown learner list, and los
 from __future__ import annotations
 
 import logging
+import sys
 
 import jax
 import numpy as np
@@ -117,3 +118,30 @@ def test_without_a_heartbeat_timeout_no_learner_is_ever_lost():
     assert s.tick(now=1e9) == [] and s.lost == [] and s.versions() == [0]
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         Syncer(init(), learners=["a"], heartbeat_timeout_s=0.0)
+
+
+def test_the_multiprocess_transport_names_its_extra_when_pyzmq_is_missing(monkeypatch):
+    from compjax.decoupled import MultiProcessTransport
+
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
+    with pytest.raises(ImportError, match=r"compjax\[decoupled\]"):
+        MultiProcessTransport.for_syncer()
+
+
+def test_the_multiprocess_transport_checks_its_arguments():
+    pytest.importorskip("zmq")
+    from compjax.decoupled import MultiProcessTransport
+
+    with pytest.raises(ValueError, match="127.0.0.1"):
+        MultiProcessTransport.for_syncer("tcp://0.0.0.0:0")
+    with pytest.raises(ValueError, match="name"):
+        MultiProcessTransport.for_learner("", "tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="pull_timeout_s"):
+        MultiProcessTransport.for_syncer(pull_timeout_s=0)
+    t = MultiProcessTransport.for_syncer()
+    try:
+        assert t.address.startswith("tcp://127.0.0.1:") and not t.address.endswith(":0")
+        with pytest.raises(RuntimeError, match="learner"):
+            t.poll("a")
+    finally:
+        t.close()

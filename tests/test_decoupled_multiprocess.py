@@ -261,6 +261,9 @@ def test_a_restarted_syncer_resumes_bit_identical_to_its_checkpoint_and_learners
     summary = json.loads((tmp_path / "syncer_after.json").read_text())
     assert summary["merges"] and all(sorted(m[2]) == ["a", "b"] for m in summary["merges"]), summary
     assert summary["versions"][0] > reference.versions()[0]
+    for name in ("a", "b"):  # each learner took the restarted syncer's model (a refusal that carries it)
+        reasons = [r for _, r in json.loads((tmp_path / f"learner_run_{name}.json").read_text())["refusals"]]
+        assert any(r.startswith("syncer restarted") for r in reasons), (name, reasons)
 
 
 BAD = ["nonfinite", "wrong_fragment", "wrong_shape", "wrong_dtype", "too_large", "stale", "bad_tokens", "unknown"]
