@@ -12,9 +12,11 @@ synchronization.  Here each learner runs its own training step and never waits f
   contribution by its tokens; bounds staleness; refuses malformed, stale or non-finite
   contributions without touching the model; checkpoints itself with orbax.
 * :class:`Transport` -- what both sides need of the network; :class:`InProcessTransport` runs them
-  as threads of one process.
-* :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :func:`message_bytes` --
-  how a contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
+  as threads of one process; :class:`MultiProcessTransport` as separate processes (ZeroMQ control
+  frames, arrays over ``jax.experimental.transfer``; needs ``pip install 'compjax[decoupled]'``).
+* :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :class:`Start` -- where a
+  learner starts (:meth:`Syncer.register`: a late join); :func:`message_bytes` -- how a
+  contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
 
 With ``min_quorum`` = all learners, no grace limit and learners that wait for each merge
 (``wait_for_merge=True``), the system computes the global parameters of :func:`compjax.diloco`

@@ -160,15 +160,10 @@ class MultiProcessTransport(Transport):
       released: (learner) offers given back at the syncer's request (contributions it refused
         without pulling their arrays).
 
-    Args (of the constructors):
-      address: the syncer's endpoint.
-      name: (learner) the learner's name, also its ZeroMQ identity.
-      heartbeat_s: (learner) seconds between heartbeats, > 0.
-      pull_timeout_s: the longest wait for one array transfer, > 0.
-
     Raises:
       ImportError: pyzmq is not installed (``pip install 'compjax[decoupled]'``).
-      ValueError: an address not on 127.0.0.1 over TCP, or a timeout <= 0.
+      ValueError: an address not on 127.0.0.1 over TCP, a name that is not a non-empty string, or a
+        time <= 0.
     """
 
     def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float):
@@ -206,13 +201,27 @@ class MultiProcessTransport(Transport):
 
     @classmethod
     def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0) -> MultiProcessTransport:
-        """The syncer's side, bound to ``address`` (see the class docstring)."""
+        """The syncer's side, bound to ``address``.
+
+        Args:
+          address: a ZeroMQ TCP endpoint on 127.0.0.1, ``tcp://127.0.0.1:PORT`` (port 0: a free one,
+            see :attr:`address`).
+          pull_timeout_s: the longest wait for one contribution's arrays, > 0 (a longer pull refuses it).
+        """
         return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s)
 
     @classmethod
     def for_learner(cls, name: str, address: str, *, heartbeat_s: float = 1.0,
                     pull_timeout_s: float = 60.0) -> MultiProcessTransport:
-        """Learner ``name``'s side, connected to the syncer at ``address`` (see the class docstring)."""
+        """Learner ``name``'s side, connected to the syncer at ``address``; call :meth:`join` next.
+
+        Args:
+          name: the learner's name (its ZeroMQ identity), a non-empty string.
+          address: the syncer's endpoint, ``tcp://127.0.0.1:PORT``.
+          heartbeat_s: seconds between two heartbeats, > 0.
+          pull_timeout_s: the longest wait for one transfer of the syncer's values, > 0 (the reply
+            is dropped).
+        """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s)
