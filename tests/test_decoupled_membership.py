@@ -145,3 +145,21 @@ def test_the_multiprocess_transport_checks_its_arguments():
             t.poll("a")
     finally:
         t.close()
+
+
+def test_warm_up_changes_nothing_and_start_from_needs_no_send_in_flight():
+    s = Syncer(init(), learners=["a"], outer=optax.sgd(1.0), min_quorum=1)
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1))
+    transport = InProcessTransport(["b"])
+    lrn = Learner("b", sgd_step, init(), (), transport, sync_every=1)
+    before = [np.array(x) for x in jax.tree.leaves(lrn.params)]
+    lrn.warm_up(1.0)
+    assert lrn.count == 0 and transport.receive() is None
+    assert all(np.array_equal(x, y) for x, y in zip(before, jax.tree.leaves(lrn.params)))
+    lrn.start_from(s.register("b"))
+    assert lrn.versions() == [1]
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(lrn.params), jax.tree.leaves(s.global_params())))
+    lrn.step(1.0)  # sent; its reply not taken yet
+    with pytest.raises(ValueError, match="in flight"):
+        lrn.start_from(s.start())
+    lrn._sender.shutdown(wait=True)

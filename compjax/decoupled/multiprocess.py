@@ -193,6 +193,8 @@ class MultiProcessTransport(Transport):
             self._pending: collections.deque = collections.deque()
             self._welcomes: queue.Queue = queue.Queue()
             self._syncer_id: str | None = None
+            self._joined = False
+            self._hello_at = 0.0
             self._offers: dict[int, tuple] = {}  # transfer id -> (shapes, dtypes, fragment) of an unanswered send
             self.released = 0
             self._offers_lock = threading.Lock()
@@ -377,14 +379,14 @@ class MultiProcessTransport(Transport):
             logger.warning("learner %r: dropped a malformed frame: %s", self.name, e)
             return
         if kind == "heartbeat":
-            if self._syncer_id is not None and msg.get("syncer") != self._syncer_id:
+            # A new id: the syncer restarted.  Say hello (again every 5 s until a welcome sets the new id).
+            if self._joined and msg.get("syncer") != self._syncer_id and time.monotonic() - self._hello_at > 5.0:
                 logger.warning("learner %r: the syncer restarted (id %s): rejoining", self.name, msg.get("syncer"))
-                self._syncer_id = None
+                self._hello_at = time.monotonic()
                 self._say({"type": "hello"})
         elif kind == "welcome":
-            first = self._welcomes.qsize() == 0 and not getattr(self, "_joined", False)
             self._syncer_id = msg.get("syncer")
-            (self._welcomes if first else self._inbox).put(msg)
+            (self._inbox if self._joined else self._welcomes).put(msg)
         elif kind == "reply":
             self._inbox.put(msg)
         elif kind == "release":
@@ -404,6 +406,7 @@ class MultiProcessTransport(Transport):
           TimeoutError: no welcome within ``timeout`` seconds (None: wait forever).
         """
         self._need("learner")
+        self._hello_at = time.monotonic()
         self._say({"type": "hello"})
         try:
             msg = self._welcomes.get(timeout=timeout)
