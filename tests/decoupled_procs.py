@@ -45,8 +45,9 @@ def save_params(path: Path, tree) -> None:
     np.savez(path, *[np.asarray(x) for x in jax.tree.leaves(tree)])
 
 
-def run_syncer(run: dict, out: Path, stop: threading.Event) -> None:
-    """Serve one run until every fragment reached ``run["versions"]`` merges (if given) or ``stop`` is set."""
+def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
+    """Serve one run until ``stop`` is set or, when another run follows, every fragment reached
+    ``run["versions"]`` merges and ``linger_s`` passed (time for the learners to pull the last replies)."""
     syncer = Syncer(init_params(), learners=run["learners"], fragments=run["P"], min_quorum=run.get("min_quorum"),
                     grace_s=run.get("grace_s"), max_staleness=run.get("max_staleness", 0),
                     heartbeat_timeout_s=run.get("heartbeat_timeout_s"))
@@ -70,7 +71,7 @@ def run_syncer(run: dict, out: Path, stop: threading.Event) -> None:
         if reached is None and target is not None and min(syncer.versions()) >= target:
             reached = time.monotonic()
             say(f"syncer reached {target} {run['name']}")
-        if reached is not None and time.monotonic() - reached > run.get("linger_s", 5.0):
+        if not last and reached is not None and time.monotonic() - reached > run.get("linger_s", 5.0):
             break  # the last replies had time to be pulled: on to the next run
         time.sleep(0.02)
     done.set()
@@ -182,10 +183,10 @@ def main() -> None:
     out = Path(config["out"])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    for run in config["runs"]:
+    for k, run in enumerate(config["runs"]):
         run = {**config, **run}
         if role == "syncer":
-            run_syncer(run, out, stop)
+            run_syncer(run, out, stop, last=k == len(config["runs"]) - 1)
         elif role == "learner":
             run_learner(run, out)
         else:
