@@ -88,12 +88,13 @@ class Syncer:
     join) and returns its starting point, the current global values and versions
     (:class:`Start`).  With ``heartbeat_timeout_s`` set, the syncer keeps the time
     of each learner's last message (a contribution, or :meth:`heartbeat`, which a
-    transport calls for every message it receives); a learner silent for longer
-    is **lost** (one not heard from yet is not: it may be starting up): a ``WARNING`` names it with the wall-clock time of its last
-    message, :attr:`lost` records it, and rounds stop waiting for it (a round
-    merges once every learner not lost has contributed, even below
-    ``min_quorum``; otherwise the grace window bounds the wait).  A lost learner
-    that speaks again is counted again.
+    transport calls for every message it receives).  A learner silent for longer
+    is **lost** (one never heard from is not: it may be starting up): a
+    ``WARNING`` names it with the wall-clock time of its last message,
+    :attr:`lost` records it, and rounds stop waiting for it: a round merges once
+    ``min_quorum`` learners, or every learner not lost if fewer are left, have
+    contributed; until a loss is noticed, the grace window bounds the wait.  A
+    lost learner that speaks again is counted again.
 
     Args:
       params: the initial global parameters (a pytree; every learner starts from them).
