@@ -27,3 +27,29 @@ def roots(tmp_path_factory):
         mp.setattr(records, "RUNS", base / "runs")
         mp.setattr(records, "RESULTS", base / "results")
         yield base / "runs", base / "results"
+
+
+# --- the two tiers ----------------------------------------------------------------------------------------------
+
+SLOW = "slow"  # the marker of the full tier's tests (registered in pyproject.toml)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", default=False, dest="all_tiers",
+                     help="run the full tier: the tests marked slow too (CI runs them); without it, the fast tier")
+
+
+def pytest_report_header(config):
+    if config.getoption("all_tiers"):
+        return "tiers: the full tier (--all): every test, those marked slow included"
+    return "tiers: the fast tier: the tests marked slow are left out (deselected); --all runs them too"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without ``--all``, deselect the tests marked ``slow`` (a parametrized case can carry the mark alone)."""
+    if config.getoption("all_tiers"):
+        return
+    slow = [item for item in items if item.get_closest_marker(SLOW)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker(SLOW)]

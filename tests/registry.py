@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import optax
+import pytest
 
 import compjax as cj
 
@@ -58,8 +59,10 @@ CASES = {
     "cast_bf16": Case(cj.cast, ("bfloat16",), static=("dtype",)),
     "topk": Case(cj.topk, (0.05,), static=("ratio",)),
     "randomk": Case(cj.randomk, (0.05,), {"key": 3}, static=("ratio",), random=True),
-    # cast to float16 and random-k without error feedback: the same paths as cast_bf16 and randomk here (CI time);
-    # their numbers are checked in test_compressors.py / test_randomk.py, their wire in test_quantizers_wire.py.
+    # cast to float16 and random-k without error feedback: the full tier only (FULL_ONLY below).
+    "cast_f16": Case(cj.cast, ("float16",), static=("dtype",)),
+    "randomk_unbiased": Case(cj.randomk, (0.05,), {"key": 3, "error_feedback": False}, static=("ratio",),
+                             random=True),
     "dgc": Case(cj.dgc, (0.01,), {"momentum": 0.9, "warmup_steps": 2, "clip_norm": 2.0, "key": 3},
                 static=("ratio", "warmup_steps", "sample_ratio"), traced=("momentum", 0.5),
                 one_path={"warmup_steps": 0}),
@@ -82,7 +85,10 @@ CASES = {
     # 8 of every 16 x 16 tile (3%), 2-bit statistical values, 8-bit tile-local indices, decay 0.9.
     "chunktopk": Case(cj.chunktopk, (8,), {"chunk": 16, "decay": 0.9}, static=("k", "chunk", "value_bits"),
                       traced=("decay", 0.5)),
-    # chunktopk with dct=True, float32 values and aggregate="senders" is DeMo's exchange: the "demo" case runs it.
+    # DeMo's exchange: DCT of 8 x 8 tiles, float32 values, each entry averaged over the workers that sent it (the
+    # full tier only: the "demo" case runs the same exchange).
+    "chunktopk_dct": Case(cj.chunktopk, (4,), {"chunk": 8, "dct": True, "values": "float32", "aggregate": "senders"},
+                          static=("k", "chunk", "value_bits")),
     "sparseloco": Case(sparseloco_sgd, (), {"sync_every": 2}, static=("sync_every", "k", "chunk"),
                        one_path={"sync_every": 1}, local_steps=True),
     "demo": Case(cj.demo, (), {"learning_rate": 0.1, "k": 4, "chunk": 8, "weight_decay": 0.01}, static=("k", "chunk"),
@@ -91,3 +97,14 @@ CASES = {
                              static=("sync_every", "fragments", "overlap", "e3m0"), traced=("alpha", 0.2),
                              one_path={"sync_every": 1, "fragments": 1, "overlap": 0}, local_steps=True),
 }
+
+#: Cases the battery runs in the full tier only (``python -m pytest --all``): the code paths of cast_bf16, randomk
+#: and demo, which the fast tier runs; their numbers are checked in test_compressors.py and test_randomk.py.
+FULL_ONLY = ("cast_f16", "randomk_unbiased", "chunktopk_dct")
+
+
+def tiered(names, fast=()):
+    """``names`` as pytest parameters: those in ``fast`` run in the fast tier, the others are marked ``slow`` (the
+    full tier, ``--all``).  Each case not in ``FULL_ONLY`` is in the fast list of some battery test
+    (tests/test_tiers.py checks)."""
+    return [pytest.param(n) if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]

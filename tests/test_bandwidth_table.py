@@ -28,6 +28,7 @@ def small_run(roots):
     return roots[0] / "reproduce", res
 
 
+@pytest.mark.slow  # a small benchmark run
 def test_small_run_writes_table_json_and_plot_under_runs(small_run, roots):
     out, res = small_run
     assert files_under(roots[0]) == [f"reproduce/bandwidth_table.{ext}" for ext in ("json", "md", "png")]
@@ -68,6 +69,7 @@ def _row_bytes(res, model_label, compressor):
 WIRE_FORMATS = ["identity", "cast bf16", "topk 1%", "powersgd r2", "onebit"]
 
 
+@pytest.mark.slow  # the small benchmark run
 @pytest.mark.parametrize("compressor", WIRE_FORMATS)
 def test_row_bytes_equal_payload_bytes_of_a_real_step(small_run, compressor, mesh):
     """The table's bytes (traced on an abstract mesh) = what the compressor says it sent in a step on 8 workers."""

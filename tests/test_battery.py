@@ -26,13 +26,17 @@ from jax.sharding import PartitionSpec as P
 import compjax as cj
 from compjax import parallel
 from tests.helpers import AXIS
-from tests.registry import CASES
+from tests.registry import CASES, FULL_ONLY, tiered
 
 N = 8
 STEPS = 3  # PowerSGD's dense first step and DGC's 2-step warm-up are both behind us by the last one
 #: "big" is large enough for DGC's sampled threshold at ratio 0.01 (k = 100 of 10,000)
 SHAPES = {"big": (100, 100), "dense": {"kernel": (16, 12), "bias": (12,)}}
 NAMES = sorted(CASES)
+#: The fast tier (``python -m pytest``) runs every case but those kept for the full tier (registry.FULL_ONLY) in
+#: the cheapest test (dtypes, odd leaves and audited bytes), and each other test on one or two cases; ``--all``
+#: runs every case in every test.
+FAST_NAMES = tuple(n for n in NAMES if n not in FULL_ONLY)
 #: Copies of one transform in different compiled contexts (inside a wrapper's cond, say) may be fused
 #: differently by XLA: equal up to float32 rounding, not bit for bit.
 TOL = 1e-6
@@ -95,7 +99,7 @@ def without(state, *fields):
 # --- optax wrappers, inject_hyperparams, multi_transform, user cond/switch ------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("cast_bf16", "chunktopk")))  # chunktopk: a traced value
 def test_wrappers_and_branches_equal_the_unwrapped_transform(mesh, name):
     case = CASES[name]
     params = zeros_params()
@@ -161,7 +165,8 @@ def test_wrappers_and_branches_equal_the_unwrapped_transform(mesh, name):
         assert not np.array_equal(outs["plain, " + key]["big"], ref["big"])
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if set(CASES[n].static) - {"dtype"}])
+@pytest.mark.parametrize("name", tiered([n for n in NAMES if set(CASES[n].static) - {"dtype"}],
+                                          fast=FAST_NAMES))
 def test_inject_hyperparams_names_a_shape_argument_left_traced(name):
     """A numeric argument that fixes shapes (ratio, rank, levels) cannot be traced: the error says what to do."""
     case = CASES[name]
@@ -175,7 +180,7 @@ def test_inject_hyperparams_names_a_shape_argument_left_traced(name):
 # --- non-finite gradients on one worker ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("identity",)))
 def test_nan_on_one_worker_skips_the_step_on_every_worker(mesh, name):
     """With a vote, every worker skips; with local steps (DiLoCo), worker 3 alone, and the whole-chain guard
     (cj.apply_if_finite) still skips everywhere."""
@@ -234,7 +239,7 @@ ODD = {
 }
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, fast=FAST_NAMES))
 def test_dtypes_kept_odd_leaves_pass_through_and_bytes_are_audited(mesh, name):
     tx = CASES[name].make(AXIS, **CASES[name].one_path)
     params = {k: jnp.zeros(s, d) for k, (s, d) in ODD.items()}
@@ -266,7 +271,7 @@ def test_dtypes_kept_odd_leaves_pass_through_and_bytes_are_audited(mesh, name):
 # --- donation, init under jit, one compilation -------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("identity",)))
 def test_donation_init_under_jit_and_one_compilation(mesh, name):
     case = CASES[name]
     params = zeros_params()
@@ -322,7 +327,7 @@ def run_backend(tx, backend, mesh, steps=STEPS):
     return jax.tree.map(np.asarray, (outs, state))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("identity", "qsgd")))  # qsgd: keys
 def test_backends_agree_and_keys_reproduce(mesh, name):
     case = CASES[name]
     results = {b: run_backend(case.make(AXIS), b, mesh) for b in ("shard_map", "pmap", "vmap")}
@@ -335,7 +340,8 @@ def test_backends_agree_and_keys_reproduce(mesh, name):
         assert not np.array_equal(other[0][0]["big"], results["shard_map"][0][0]["big"])
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if "key" in CASES[n].kwargs] + ["powersgd"])
+@pytest.mark.parametrize("name", tiered([n for n in NAMES if "key" in CASES[n].kwargs] + ["powersgd"],
+                                          fast=("terngrad",)))
 def test_every_key_form_gives_the_same_result(name):
     case = CASES[name]
     params = zeros_params()

@@ -23,6 +23,8 @@ from registry import CASES
 import compjax as cj
 from compjax import parallel
 
+pytestmark = pytest.mark.slow  # the full tier only (--all): every case on a 2 x 4 mesh, sharded
+
 SLOW, FAST = 2, 4
 
 

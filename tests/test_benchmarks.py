@@ -28,6 +28,7 @@ def test_resnet18_shape_count():
     assert n == 11_689_512  # torchvision resnet18 parameter count (BN running stats are not parameters)
 
 
+@pytest.mark.slow  # a benchmark run
 def test_benchmark_writes_tables_under_runs_by_default(small_run, roots):
     runs, results = roots
     out = runs / "benchmarks"
@@ -119,6 +120,7 @@ def test_targets_report_each_miss_with_where_the_time_went():
     assert ("growth", "floor") not in got and ("growth", bench.NOT_DONATED) not in got
 
 
+@pytest.mark.slow  # a benchmark run
 def test_publish_writes_the_committed_folder(small_run, roots, monkeypatch, tmp_path):
     """--publish writes under experiments/results/benchmarks and nothing under runs/ (the run itself is replayed)."""
     runs, results = tmp_path / "runs", tmp_path / "results"
@@ -132,6 +134,7 @@ def test_publish_writes_the_committed_folder(small_run, roots, monkeypatch, tmp_
     assert json.loads((results / "benchmarks" / "compressors.json").read_text())["command"] == "cmd --publish"
 
 
+@pytest.mark.slow  # a benchmark run
 def test_out_dir_wins(small_run, monkeypatch, tmp_path):
     canned = {k: v for k, v in small_run.items() if k not in ("loadavg", "wall_s", "provenance")}
     monkeypatch.setattr(bench, "run", lambda args: copy.deepcopy(canned))
@@ -159,6 +162,7 @@ def _torch_result(args, torch):
             "provenance": {"command": "x"}}
 
 
+@pytest.mark.slow  # a benchmark run
 @pytest.mark.parametrize("publish", [False, True])
 def test_torch_compare_writes_under_runs_unless_published(publish, monkeypatch, tmp_path):
     """Where torch_compare writes (the comparison itself replaced by a canned one: no torch needed)."""

@@ -21,6 +21,7 @@ from tests.registry import CASES
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # every case, 2 processes
 def test_every_transform_resumes_bit_exact_in_a_new_process(tmp_path):
     """40 steps straight == 20 steps, save, restore in a new process, 20 more: parameters and state bitwise."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),  # the 2nd process compiles nothing

@@ -245,6 +245,7 @@ def resnet():
     return models.build(0, model="resnet20")
 
 
+@pytest.mark.slow
 def test_resnet20_parameter_count(resnet):
     params = resnet[0]
     leaves = jax.tree.leaves(params)
@@ -255,6 +256,7 @@ def test_resnet20_parameter_count(resnet):
     assert f"{n:,} float32 parameters" in models.ResNet20.__doc__
 
 
+@pytest.mark.slow
 def test_resnet20_apply_and_loss(resnet):
     params, apply, loss_fn = resnet
     x = jax.random.uniform(jax.random.key(0), (4, 32, 32, 3))
@@ -275,6 +277,7 @@ def test_resnet20_apply_and_loss(resnet):
     assert not np.allclose(other[0], logits[0])
 
 
+@pytest.mark.slow
 def test_build_default_is_cnn_and_rejects_unknown_model():
     params, _, _ = models.build()
     assert sorted(params) == ["conv1", "conv2", "fc1", "fc2"]

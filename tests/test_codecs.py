@@ -21,6 +21,7 @@ from compjax.codecs import (
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=5))
 def test_bucket_roundtrip(shapes):
@@ -60,7 +61,7 @@ def test_matrix_view_is_out_by_rest():
 
 
 @pytest.mark.parametrize("shape", [(3, 3, 2, 4), (5, 7), (1, 1, 6, 3), (2, 3, 8)])
-@pytest.mark.parametrize("r", [1, 2, 3, 6])  # 6: one product, above CPU_COLUMNWISE_MAX_RANK
+@pytest.mark.parametrize("r", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 6])  # 6: one product, above CPU_COLUMNWISE_MAX_RANK
 def test_lowrank_products_match_numpy_on_the_matrix_view(shape, r):
     """M Q, Mᵀ P and P Qᵀ (as a parameter) on M = x.reshape(-1, out).T, computed without transposing M."""
     rng = np.random.default_rng(r)

@@ -89,9 +89,9 @@ def test_powersgd_full_rank_equals_identity(mesh):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: cj.identity(axis_name=AXIS),
+        pytest.param(lambda: cj.identity(axis_name=AXIS), marks=pytest.mark.slow),
         lambda: cj.topk(0.2, axis_name=AXIS),
-        lambda: cj.powersgd(rank=2, min_compression_rate=1.0, axis_name=AXIS),
+        pytest.param(lambda: cj.powersgd(rank=2, min_compression_rate=1.0, axis_name=AXIS), marks=pytest.mark.slow),
     ],
     ids=["identity", "topk", "powersgd"],
 )
@@ -147,7 +147,7 @@ def np_powersgd(grads_steps, q0, rank_of, compressed):
     return outs, res
 
 
-@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+@pytest.mark.parametrize("backend", [pytest.param("vmap", marks=pytest.mark.slow), "shard_map"])
 def test_powersgd_matches_numpy_algorithm1(mesh, backend):
     shapes = {"conv": (3, 3, 4, 8), "dense": (12, 10), "bias": (10,), "small": (2, 2)}
     n = 4 if backend == "vmap" else N
@@ -244,7 +244,8 @@ SELF_GUARDED = {  # sparse exchanges that send zero values on a skipped step; pa
 }
 
 
-@pytest.mark.parametrize("name", sorted(SELF_GUARDED))
+@pytest.mark.parametrize("name", [n if n.startswith("topk") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(SELF_GUARDED)])
 def test_a_self_guarded_exchange_skips_like_the_pipeline(name):
     """A NaN on one worker: zero updates on every worker and the state untouched (but ``skipped`` and the
     byte count), though the exchange saw the raw non-finite gradients; the next finite step equals that of a

@@ -377,6 +377,7 @@ def test_data_unavailable_message_and_pickle():
 # ----------------------------------------------------------------------------- the main job's first run
 
 
+@pytest.mark.slow  # a main-job run
 def test_the_first_main_job_run_downloads_verifies_and_trains(monkeypatch, tmp_path, server, capsys):
     """No Debian package, an empty cache: ``python -m experiments.train`` fetches, checks and trains."""
     from experiments import records, train

@@ -39,7 +39,7 @@ def np_demo(init, targets, cfg, lrs, wd):
     return hist, delta
 
 
-@pytest.mark.parametrize("schedule", [False, True])
+@pytest.mark.parametrize("schedule", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_demo_matches_the_numpy_reference(schedule):
     cfg = config(5, 8, True, "float32", 2, 0.9, "senders")
     wd = 0.05

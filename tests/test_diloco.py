@@ -260,7 +260,7 @@ def test_a_users_fragment_assignment_is_used_and_checked_naming_the_parameter():
         fragment_assignment(lm_params(), 2, {"decoder": 0})
 
 
-@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("tau", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_each_fragment_syncs_once_per_period_and_the_peak_drops(tau):
     n, H, Pf = 4, 6, 3
     plain = cj.diloco(optax.sgd(0.1), sync_every=H, overlap=tau, axis_name=AXIS)

@@ -270,6 +270,7 @@ def test_bad_input_raises_naming_the_argument(case, match):
 # --- where runs are evaluated ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lm_testbed_evaluates_the_global_model():
     """experiments.lm.train reports val_loss_global: at step 0 the init, just after a sync the workers' (equal)
     model, one step later still the synced global model while the workers have moved."""
@@ -292,6 +293,7 @@ def test_lm_testbed_evaluates_the_global_model():
     assert holds_diloco_state(chained.init({"w": jnp.ones(2)}))
 
 
+@pytest.mark.slow
 def test_reproduction_reports_the_global_model_and_refuses_old_records():
     from experiments import config_cli
     from experiments.reproduce import diloco as repro

@@ -111,6 +111,7 @@ def site(tmp_path_factory):
     return out, pages
 
 
+@pytest.mark.slow  # the docs build
 def test_every_public_name_has_a_page(site):
     _, pages = site
     groups = coverage_check.public_groups()
@@ -126,12 +127,14 @@ def test_every_public_name_has_a_page(site):
     assert not missing, f"public names without a page: {missing}"
 
 
+@pytest.mark.slow  # the docs build
 def test_every_notebook_has_a_page(site):
     _, pages = site
     notebooks = sorted(p.stem for p in (ROOT / "colab").glob("*.ipynb"))
     assert notebooks and all(f"notebooks/{name}.html" in pages for name in notebooks)
 
 
+@pytest.mark.slow  # the docs build
 def test_no_broken_internal_link(site):
     out, pages = site
     broken = []
@@ -155,6 +158,7 @@ def test_no_broken_internal_link(site):
     assert not broken, f"{len(broken)} broken links:\n" + "\n".join(broken[:50])
 
 
+@pytest.mark.slow  # the docs build
 def test_coverage_check_fails_when_an_entry_is_removed(site):
     out, _ = site
     documented = read_inventory(out / "objects.inv")

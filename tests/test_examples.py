@@ -45,6 +45,7 @@ def data(n=N * 4, size=8, seed=0):
     return x, (x[:, : size // 2].mean(axis=(1, 2, 3)) > 0).astype(np.int32)
 
 
+@pytest.mark.slow  # an example program
 def test_linen_resnet_runs_data_parallel_with_batchnorm_averaged(mesh):
     x, y = data()
     model = linen_resnet.ResNet(stages=(1,), width=4, num_classes=2)
@@ -58,6 +59,7 @@ def test_linen_resnet_runs_data_parallel_with_batchnorm_averaged(mesh):
     assert state.step.shape == (N,) and int(state.step[0]) == 2  # host reads work on what the step returns
 
 
+@pytest.mark.slow  # an example program
 def test_nnx_cnn_runs_data_parallel_with_metrics_and_its_own_masks(mesh):
     x, y = data()
     kwargs = {"width": 2, "hidden": 8, "num_classes": 2, "steps": 2, "batch_size": N * 2}
@@ -71,6 +73,7 @@ def test_nnx_cnn_runs_data_parallel_with_metrics_and_its_own_masks(mesh):
     assert (counts == 2).all()  # one dropout draw per step on every worker (distinct masks: test_worker_step.py)
 
 
+@pytest.mark.slow  # an example program
 def test_nnx_single_device_program_runs(mesh):
     x, y = data()
     _, history = nnx_cnn.train(x, y, width=2, hidden=8, num_classes=2, steps=2, batch_size=8)

@@ -69,7 +69,7 @@ def _device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("name", ["dgc", "streaming_diloco", "delayed_averaging_topk"])
+@pytest.mark.parametrize("name", [pytest.param("dgc", marks=pytest.mark.slow), "streaming_diloco", pytest.param("delayed_averaging_topk", marks=pytest.mark.slow)])
 def test_each_device_holds_a_quarter_of_parameters_and_state(name):
     """Per-device bytes of parameters + optimizer + compressor state: the replicated 2-D layout's / 4, up to the
     leaves every device holds whole (counters, keys, byte counts: < 2%), read from the arrays' shards and from the
@@ -199,6 +199,7 @@ def test_a_sharded_checkpoint_saved_at_fast_4_restores_at_fast_4_and_at_fast_2(t
             np.testing.assert_allclose(np.asarray(pf[k]), np.asarray(p4[k]), rtol=1e-6, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_main_job_with_fsdp_trains_as_without_it(tmp_path):
     """``--mesh 2x4 --fsdp`` against ``--mesh 2x4``: the same epoch losses and test accuracy (top-k, 2 steps), the
     record says the layout; ``--fsdp`` without a mesh exits with one line."""
@@ -217,6 +218,7 @@ def test_main_job_with_fsdp_trains_as_without_it(tmp_path):
         train.main(["--no-progress", "--fsdp"])
 
 
+@pytest.mark.slow
 def test_lm_testbed_on_a_2x2_mesh_with_fsdp_trains_as_without_it():
     """The LM testbed's transformer, top-k + AdamW on ``mesh="2x2"``: sharded and replicated layouts give the same
     losses and bytes (3 steps), each compiled once."""

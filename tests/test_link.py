@@ -203,6 +203,7 @@ def test_committed_results_are_todays_model():
     assert {r["processes"] for r in report["rows"]} == {2, 4}
 
 
+@pytest.mark.slow  # a measured link
 def test_short_real_measurement(tmp_path):
     """2 processes, dense CNN, 100 Mbit/s, 3 steps: the kernel's bytes within 10% of the prediction."""
     why = link.permitted()

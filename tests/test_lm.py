@@ -278,6 +278,7 @@ def test_train_synchronous(text):
     assert json.loads(json.dumps(res)) == res
 
 
+@pytest.mark.slow
 def test_train_without_communication_diverges(text):
     res = run(text, lambda ax: optax.sgd(0.1), steps=10)
     assert res["param_spread"][0] == 0.0 and res["param_spread"][-1] > 1e-3  # workers drift apart

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from compjax import parallel
 from experiments.benchmarks import memory
 
+pytestmark = pytest.mark.slow  # the full tier only (--all): its fixture runs the memory benchmark
+
 FAST = memory.FAST
 METHOD = "powersgd"  # its state (error-feedback residual, Q factors, AdamW moments) beside the parameters
 #: Bytes the arguments may differ from the logical shards by: jit drops arguments the step does not read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import compjax as cj
 from compjax import parallel
@@ -32,25 +34,68 @@ def _env(cache: Path | None = None):
     return env
 
 
+@pytest.fixture(scope="module")
+def pace():
+    """Seconds a fresh process takes here and now to import JAX and compjax and compile and run a small program:
+    the unit of the wall-clock limits below (under 3 s on an idle 2-core machine; more under other jobs' load),
+    so a loaded machine gets proportionally longer.  The limits only catch a run that hangs."""
+    code = ("import jax, jax.numpy as jnp, compjax; "
+            "jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((256, 256))).block_until_ready()")
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), check=True, timeout=600)
+    return time.monotonic() - start
+
+
+def limit(pace: float, floor: float, paces: float) -> float:
+    """A phase's wall-clock limit: ``floor`` seconds, or ``paces`` times the measured pace if longer."""
+    return max(floor, paces * pace)
+
+
+def run(cmd, phase: str, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that, on a timeout, fails naming the phase and its limit."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+                              **kwargs)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"phase '{phase}': not finished within its limit of {timeout:.0f} s\n{e.stdout}")
+
+
+def wait_for(phase: str, timeout: float, done, proc: subprocess.Popen) -> float:
+    """Poll ``done()`` until true (returns the seconds it took); fail naming the phase if the launcher exits first
+    or ``timeout`` seconds pass, counted from this call (when the awaited event becomes possible)."""
+    start = time.monotonic()
+    while not done():
+        if proc.poll() is not None:
+            pytest.fail(f"phase '{phase}': the launcher exited (code {proc.returncode}) before it was done")
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"phase '{phase}': not done within its limit of {timeout:.0f} s")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 def launch(processes: int, devices: int, log_dir: Path, *argv: str, module: str = "experiments.train",
-           wait: bool = True, cache: Path | None = None):
+           wait: bool = True, cache: Path | None = None, phase: str = "", timeout: float = 300):
+    """Run ``experiments.launch`` (``wait``: to its end, failing after ``timeout`` s naming ``phase``; else a Popen
+    whose output is a pipe)."""
     cmd = [sys.executable, "-m", "experiments.launch", "--processes", str(processes), "--devices-per-process",
            str(devices), "--module", module, "--log-dir", str(log_dir), "--", *argv]
     if wait:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=300,
-                              check=False)
+        return run(cmd, phase, timeout, env=_env(cache))
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.slow  # several processes
+def test_two_processes_match_one_process(tmp_path, pace):
     """2 processes x 2 CPU devices (gloo) == 1 process x 4 devices after 20 steps, for three compressors."""
-    two = launch(2, 2, tmp_path / "logs", "--out", str(tmp_path / "2x2"), module="experiments.distributed_check")
+    two = launch(2, 2, tmp_path / "logs", "--out", str(tmp_path / "2x2"), module="experiments.distributed_check",
+                 phase="2 processes x 2 devices, 20 steps", timeout=limit(pace, 300, 150))
     assert two.returncode == 0, two.stdout + (tmp_path / "logs" / "process_1.log").read_text()
     assert "process 1 of 2: 4 workers" in (tmp_path / "logs" / "process_1.log").read_text()
     env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    subprocess.run([sys.executable, "-m", "experiments.distributed_check", "--out", str(tmp_path / "1x4")],
-                   cwd=ROOT, env=env, check=True, timeout=300)
+    one = run([sys.executable, "-m", "experiments.distributed_check", "--out", str(tmp_path / "1x4")],
+              "1 process x 4 devices, 20 steps", limit(pace, 300, 150), env=env)
+    assert one.returncode == 0, one.stdout + one.stderr
     for name in ("identity", "topk", "powersgd"):
         a, b = np.load(tmp_path / "2x2" / f"{name}.npz"), np.load(tmp_path / "1x4" / f"{name}.npz")
         assert a["w"].shape == (4, 32, 16)
@@ -63,35 +108,60 @@ def test_two_processes_match_one_process(tmp_path):
             assert np.abs(a[k] - b[k]).max() <= tol * np.abs(b[k]).max(), (name, k)
 
 
-def test_lost_peer_is_named_and_a_restart_resumes(tmp_path):
-    """Kill process 1 mid-run: process 0 names it and exits non-zero within 60 s; both restarted finish."""
+@pytest.mark.slow  # several processes
+def test_lost_peer_is_named_and_a_restart_resumes(tmp_path, pace):
+    """Kill process 1 mid-run: process 0 names it and exits non-zero within the heartbeat timeout (and a margin);
+    both restarted finish.
+
+    Each phase's limit counts from the moment its event becomes possible (the checkpoint at step 4 from the
+    run's first line, the lost peer from the kill) and grows with the machine's measured pace: on a loaded
+    machine a run compiles slowly, but a lost peer must still be named once the heartbeat timeout has passed."""
     ckpt = tmp_path / "ck"
+    heartbeat = 5
     argv = ["--compressor", "powersgd", "--epochs", "1", "--train-limit", "512", "--batch-size", "64",
             "--no-progress", "--out", str(tmp_path / "run.jsonl"), "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", "2", "--heartbeat-timeout", "5"]
+            "--checkpoint-every", "2", "--heartbeat-timeout", str(heartbeat)]
     logs = tmp_path / "logs"
     proc = launch(2, 2, logs, *argv, wait=False, cache=tmp_path / "cache")
-    deadline = time.time() + 240
-    while "saving step 4" not in (logs / "process_0.log").read_text() if (logs / "process_0.log").exists() else True:
-        assert time.time() < deadline and proc.poll() is None, "no checkpoint at step 4"
-        time.sleep(0.2)
     pids = {}
-    while len(pids) < 2:
-        pids.update(re.findall(r"process (\d) \(pid (\d+)\)", proc.stdout.readline()))
-    os.kill(int(pids["1"]), signal.SIGKILL)
-    killed = time.time()
-    out, _ = proc.communicate(timeout=120)
-    log0 = (logs / "process_0.log").read_text()
-    assert "[process 0] lost peer: process 1 of 2 stopped responding" in log0, log0[-2000:]
+    try:
+        while len(pids) < 2:  # the launcher prints each process's pid as it starts it
+            line = proc.stdout.readline()
+            assert line, f"phase 'launch': the launcher exited before starting 2 processes: {pids}"
+            pids.update(re.findall(r"process (\d) \(pid (\d+)\)", line))
+
+        def log0() -> str:
+            return (logs / "process_0.log").read_text() if (logs / "process_0.log").exists() else ""
+
+        # Start-up (JAX, the coordination service, the data), then compiling and the first 4 steps.
+        wait_for("start-up: process 0's first line", limit(pace, 120, 60), lambda: "compjax main job" in log0(),
+                 proc)
+        wait_for("training: process 0 saving the checkpoint of step 4", limit(pace, 240, 120),
+                 lambda: "saving step 4" in log0(), proc)
+        os.kill(int(pids["1"]), signal.SIGKILL)
+        # The lost peer: named within the heartbeat timeout, plus a margin for a loaded machine.
+        try:
+            out, _ = proc.communicate(timeout=heartbeat + limit(pace, 55, 20))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"phase 'lost peer': process 0 still running {heartbeat + limit(pace, 55, 20):.0f} s after "
+                        f"process 1 was killed (heartbeat timeout {heartbeat} s)\n{log0()[-2000:]}")
+    finally:  # a failed phase leaves no process behind
+        if proc.poll() is None:
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
+    assert "[process 0] lost peer: process 1 of 2 stopped responding" in log0(), log0()[-2000:]
     assert "process 0: exit code 75" in out, out
-    assert time.time() - killed < 60
     saved = Checkpointer(ckpt).all_steps()  # the saves that completed (the last one may not have)
     assert saved and saved[-1] >= 2, saved
     # The restart has no peer to lose: the default heartbeat timeout (20 s) rides out a loaded machine.
-    again = launch(2, 2, tmp_path / "logs2", *argv[:-2], cache=tmp_path / "cache")
+    again = launch(2, 2, tmp_path / "logs2", *argv[:-2], cache=tmp_path / "cache",
+                   phase="restart: both processes resume and finish", timeout=limit(pace, 300, 150))
     assert again.returncode == 0, again.stdout
-    log0 = (tmp_path / "logs2" / "process_0.log").read_text()
-    assert f"resumed at step {saved[-1]}" in log0, log0
+    restarted = (tmp_path / "logs2" / "process_0.log").read_text()
+    assert f"resumed at step {saved[-1]}" in restarted, restarted
     summary = json.loads((tmp_path / "run.jsonl").read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["steps"] == 8 and summary["params_finite"]
 

@@ -80,7 +80,8 @@ MAKERS = {
 
 
 @pytest.mark.parametrize(
-    "name,backend", [(name, "shard_map") for name in MAKERS] + [("terngrad", "pmap"), ("terngrad", "vmap")]
+    "name,backend", [(name, "shard_map") for name in MAKERS] + [pytest.param("terngrad", b, marks=pytest.mark.slow)
+                                                               for b in ("pmap", "vmap")]
 )
 def test_mean_over_workers_matches_numpy(mesh, name, backend):
     """Every worker ends with the mean of all workers' decoded payloads; shard_map, pmap and vmap agree."""
@@ -145,7 +146,8 @@ AUDITED = {
 }
 
 
-@pytest.mark.parametrize("name", list(AUDITED))
+@pytest.mark.parametrize("name", [n if n in ("twobit", "cast_bf16") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in AUDITED])
 def test_payload_bytes_equals_audited_bytes(mesh, name):
     params = audit_params()
     assert len(jax.tree.leaves(params)) >= 6
@@ -171,6 +173,7 @@ def payload_of(tx, params):
     return int(cj.message_bytes(jax.jit(tx.update)(params, tx.init(params))[1]))
 
 
+@pytest.mark.slow
 def test_ratios_on_the_main_job_cnn():
     """twobit exactly 16x on sizes divisible by 16; onebit and signsgd >= 28x on the main job's CNN."""
     sizes16 = {"a": jnp.zeros((16, 16)), "b": jnp.zeros((3, 3, 16, 32)), "c": jnp.zeros(48)}

@@ -84,7 +84,8 @@ def test_streams_differ_across_steps_workers_and_keys():
     np.testing.assert_array_equal(draws[(1, 2)], np.asarray(cr.uniform(cr.stream(key, 1, 2), n)))  # reproducible
 
 
-@pytest.mark.parametrize("size,k", [(100_003, 1_001), (65_536, 7), (250_000, 2_500)])
+@pytest.mark.parametrize("size,k", [pytest.param(100_003, 1_001, marks=pytest.mark.slow), (65_536, 7),
+                                    pytest.param(250_000, 2_500, marks=pytest.mark.slow)])
 def test_threshold_topk_equals_exact_topk(size, k):
     rng = np.random.default_rng(size)
     x = rng.standard_normal(size).astype(np.float32)
@@ -114,6 +115,7 @@ def test_threshold_topk_with_more_ties_at_the_kth_than_it_needs_is_lowest_index_
     assert set(np.asarray(idx).tolist()) == set(want.tolist()) and set(ties[:5]) <= set(want.tolist())
 
 
+@pytest.mark.slow
 def test_threshold_topk_falls_back_when_it_cannot_settle():
     x = jnp.concatenate([jnp.ones(20_000), jnp.zeros(20_000)])  # 20,000 equal magnitudes for k = 10
     idx, val, settled = select.topk(x, 10, return_settled=True)
@@ -135,7 +137,7 @@ def test_randomk_compressor_keeps_each_entry_with_probability_k_over_d():
     assert np.all(np.abs(hits - n * p) < 5 * math.sqrt(n * p * (1 - p)))
 
 
-@pytest.mark.parametrize("thr0", [1, 0x7F000000])  # far too low (every entry passes) and far too high (none)
+@pytest.mark.parametrize("thr0", [pytest.param(1, marks=pytest.mark.slow), 0x7F000000])  # far too low (every entry passes) and far too high (none)
 def test_threshold_moves_until_it_settles(thr0):
     x = jnp.asarray(np.random.default_rng(5).standard_normal(50_000).astype(np.float32))
     scores = select.magnitude_scores(x)
@@ -145,6 +147,7 @@ def test_threshold_moves_until_it_settles(thr0):
     assert set(np.asarray(idx).tolist()) == set(np.asarray(jax.lax.top_k(jnp.abs(x), 500)[1]).tolist())
 
 
+@pytest.mark.slow
 def test_topk_many_is_exact_per_layer_and_one_fallback_leaves_the_others_settled():
     """Layers selected together (one loop and one fallback branch for all): each equals its own lax.top_k;
     a layer that cannot settle (ties) falls back alone, a small layer uses lax.top_k, a low first guess moves."""

@@ -106,6 +106,7 @@ def test_existing_loop_recipes_are_the_example_programs():
     assert blocks == [inspect.getsource(m.train) for m in (linen_resnet_compjax, nnx_cnn_compjax)]
 
 
+@pytest.mark.slow  # two sharded programs
 def test_sharded_parameters_block_prints_what_its_page_says():
     """Each block of the sharded-parameters page (pytree, NNX) runs and prints the line the page quotes after it."""
     text = SHARDED.read_text()
@@ -169,6 +170,7 @@ def commands() -> list[tuple[str, str, list[str]]]:
     return found
 
 
+@pytest.mark.slow  # every command's --help, in processes
 def test_commands_name_modules_and_flags_that_exist():
     found = commands()
     targets = {t for _, t, _ in found}

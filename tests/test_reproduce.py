@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments import train
 from experiments.reproduce import dgc
 
@@ -20,6 +22,7 @@ def test_configs_become_main_job_configs():
     assert {r.epochs for r in small.values()} == {1}
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_tiny_reproduction_writes_table_and_plot(tmp_path):
     tiny = ["--config.train.epochs=1", "--config.train.max_steps=2", "--config.train.train_limit=512",
             "--config.train.batch_size=64"]
@@ -69,6 +72,7 @@ def test_dga_time_model_by_hand():
     assert math.isclose(dga.model_step(ops, 20, slow, 0.05, period=4)["paper"], 2 * 7 / 8 * 1000 / 1e3 / 4)
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
     from experiments.reproduce import dga
 
@@ -85,6 +89,7 @@ def test_tiny_dga_reproduction_writes_table_and_plot(tmp_path):
     assert json.loads((tmp_path / "dga_fashion_mnist_cnn.json").read_text())["network"]["latency"] > 0.01
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_tiny_dga_reproduction_with_a_period(tmp_path, capsys):
     """--config.train.compressor.period=2: its own records, table and plot; one exchange every 2 steps."""
     from experiments.reproduce import dga

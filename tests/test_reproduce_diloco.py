@@ -35,6 +35,7 @@ def tiny_run(roots):
     return rows, {k: json.loads((out / f"{k}.json").read_text()) for k in rows}
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_rows_bytes_and_table_under_runs(tiny_run, roots):
     runs, results = roots
     rows, recs = tiny_run
@@ -74,6 +75,7 @@ def test_rows_bytes_and_table_under_runs(tiny_run, roots):
     assert recs["streaming"]["reproduction"] == {"command": command, "config": summary["config"]}
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_publish_writes_the_committed_folder_and_report_only_reads_it(tiny_run, monkeypatch, tmp_path):
     """--publish: records and table under experiments/results/reproduce only (the runs replayed from the tiny ones);
     --publish --report-only rebuilds the same table from those records without training."""

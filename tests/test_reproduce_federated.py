@@ -25,6 +25,7 @@ def tiny_run(roots):
     return summary, json.loads((roots[0] / "reproduce" / f"{repro.NAME}.json").read_text())
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_rows_bytes_split_and_outputs_under_runs(tiny_run, roots):
     runs, results = roots
     summary, record = tiny_run
@@ -51,6 +52,7 @@ def test_rows_bytes_split_and_outputs_under_runs(tiny_run, roots):
     assert (runs / "reproduce" / f"{repro.NAME}.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a tiny reproduction
 def test_publish_writes_the_committed_folder(tiny_run, monkeypatch, tmp_path):
     """--publish writes under experiments/results/reproduce only (the run replayed from the tiny one)."""
     runs, results = tmp_path / "runs", tmp_path / "results"

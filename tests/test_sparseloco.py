@@ -88,6 +88,7 @@ def test_sparseloco_bad_input():
         cj.sparseloco(optax.sgd(0.1), sync_every=2, k=0, axis_name=None)
 
 
+@pytest.mark.slow  # the reproduction's rows
 def test_the_reproduction_rows_build_and_step():
     """The SparseLoCo and DeMo rows of ``experiments/reproduce/diloco.py`` build from its config and take a step."""
     import jax.numpy as jnp

@@ -9,7 +9,7 @@ from compjax.codecs import topk_select
 from compjax.codecs.threshold import sample_size, sampled_topk
 
 
-@pytest.mark.parametrize("dist", ["gaussian", "student_t2"])
+@pytest.mark.parametrize("dist", ["gaussian", pytest.param("student_t2", marks=pytest.mark.slow)])
 def test_sampled_selection_is_exact_k_and_keeps_the_mass(dist):
     rng = np.random.default_rng(0)
     n, k = 1_000_000, 1_000
@@ -27,6 +27,7 @@ def test_sampled_selection_is_exact_k_and_keeps_the_mass(dist):
     assert mass >= 0.95
 
 
+@pytest.mark.slow
 def test_fallback_when_threshold_cannot_settle():
     # Many ties at the threshold: more than `capacity` entries pass, so exact top-k is used.
     x = jnp.concatenate([jnp.ones(5000), jnp.zeros(5000)])
@@ -41,7 +42,8 @@ def test_sample_size():
     assert sample_size(50, 5, 0.01) == 20
 
 
-@pytest.mark.parametrize("size,k", [(100_003, 100), (65_536, 7), (250_000, 2_000)])
+@pytest.mark.parametrize("size,k", [pytest.param(100_003, 100, marks=pytest.mark.slow), (65_536, 7),
+                                    pytest.param(250_000, 2_000, marks=pytest.mark.slow)])
 def test_equals_exact_topk_when_it_settles_including_the_tail(size, k):
     rng = np.random.default_rng(size)
     x = rng.standard_normal(size).astype(np.float32)
@@ -56,6 +58,7 @@ def test_equals_exact_topk_when_it_settles_including_the_tail(size, k):
     np.testing.assert_array_equal(np.asarray(val), x[np.asarray(idx)])
 
 
+@pytest.mark.slow
 def test_threshold_is_refined_from_a_bad_sample():
     # A sample that sees only the bulk: the few large entries sit between the sampled positions.
     x = np.full(1_000_000, 1e-3, np.float32)
@@ -67,6 +70,7 @@ def test_threshold_is_refined_from_a_bad_sample():
     assert set(np.asarray(idx).tolist()) == set(np.asarray(exact_idx).tolist())
 
 
+@pytest.mark.slow
 def test_default_return_is_indices_and_values():
     x = jnp.asarray(np.random.default_rng(5).standard_normal(100_000), jnp.float32)
     out = sampled_topk(x, 50, 0.01, jax.random.PRNGKey(0))
