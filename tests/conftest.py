@@ -29,14 +29,15 @@ def roots(tmp_path_factory):
         yield base / "runs", base / "results"
 
 
-# --- the two tiers ----------------------------------------------------------------------------------------------
+# --- the two tiers ------------------------------------------------------------------------------------------
 
 SLOW = "slow"  # the marker of the full tier's tests (registered in pyproject.toml)
 
 
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", default=False, dest="all_tiers",
-                     help="run the full tier: the tests marked slow too (CI runs them); without it, the fast tier")
+                     help="run the full tier: the tests marked slow too (CI runs them); without it, the fast "
+                          "tier")
 
 
 def pytest_report_header(config):
@@ -46,7 +47,7 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without ``--all``, deselect the tests marked ``slow`` (a parametrized case can carry the mark alone)."""
+    """Without ``--all``, deselect the tests marked ``slow`` (a parametrized case may carry it alone)."""
     if config.getoption("all_tiers"):
         return
     slow = [item for item in items if item.get_closest_marker(SLOW)]

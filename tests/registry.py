@@ -85,10 +85,10 @@ CASES = {
     # 8 of every 16 x 16 tile (3%), 2-bit statistical values, 8-bit tile-local indices, decay 0.9.
     "chunktopk": Case(cj.chunktopk, (8,), {"chunk": 16, "decay": 0.9}, static=("k", "chunk", "value_bits"),
                       traced=("decay", 0.5)),
-    # DeMo's exchange: DCT of 8 x 8 tiles, float32 values, each entry averaged over the workers that sent it (the
-    # full tier only: the "demo" case runs the same exchange).
-    "chunktopk_dct": Case(cj.chunktopk, (4,), {"chunk": 8, "dct": True, "values": "float32", "aggregate": "senders"},
-                          static=("k", "chunk", "value_bits")),
+    # DeMo's exchange: DCT of 8 x 8 tiles, float32 values, each entry averaged over the workers that sent it
+    # (the full tier only: the "demo" case runs the same exchange).
+    "chunktopk_dct": Case(cj.chunktopk, (4,), {"chunk": 8, "dct": True, "values": "float32",
+                                               "aggregate": "senders"}, static=("k", "chunk", "value_bits")),
     "sparseloco": Case(sparseloco_sgd, (), {"sync_every": 2}, static=("sync_every", "k", "chunk"),
                        one_path={"sync_every": 1}, local_steps=True),
     "demo": Case(cj.demo, (), {"learning_rate": 0.1, "k": 4, "chunk": 8, "weight_decay": 0.01}, static=("k", "chunk"),
@@ -98,13 +98,14 @@ CASES = {
                              one_path={"sync_every": 1, "fragments": 1, "overlap": 0}, local_steps=True),
 }
 
-#: Cases the battery runs in the full tier only (``python -m pytest --all``): the code paths of cast_bf16, randomk
-#: and demo, which the fast tier runs; their numbers are checked in test_compressors.py and test_randomk.py.
+#: Cases the battery runs in the full tier only (``python -m pytest --all``): the code paths of cast_bf16,
+#: randomk and demo, which the fast tier runs; their numbers are checked in test_compressors.py and
+#: test_randomk.py.
 FULL_ONLY = ("cast_f16", "randomk_unbiased", "chunktopk_dct")
 
 
 def tiered(names, fast=()):
-    """``names`` as pytest parameters: those in ``fast`` run in the fast tier, the others are marked ``slow`` (the
-    full tier, ``--all``).  Each case not in ``FULL_ONLY`` is in the fast list of some battery test
+    """``names`` as pytest parameters: those in ``fast`` run in the fast tier, the others are marked ``slow``
+    (the full tier, ``--all``).  Each case not in ``FULL_ONLY`` is in the fast list of some battery test
     (tests/test_tiers.py checks)."""
     return [pytest.param(n) if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]

@@ -51,7 +51,7 @@ def scoped_bytes(ops, tag):
                zip(op.operands, op.scopes, op.issuers) if who == "compjax" and f"/{tag}/" in scope)
 
 
-@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("name", [*COMPRESSORS, pytest.param("cast_f16", marks=pytest.mark.slow)])
 def test_payload_bytes_equal_audited_compjax_bytes_for_16_bit_leaves(mesh, name):
     case = CASES[name]
     txs = {tag: case.make(AXIS, **case.one_path) for tag in DTYPES}

@@ -87,6 +87,7 @@ def test_row_bytes_equal_payload_bytes_of_a_real_step(small_run, compressor, mes
     assert _row_bytes(res, label, compressor) == int(sent[0])
 
 
+@pytest.mark.slow
 def test_trace_counts_what_the_compiled_program_sends(mesh):
     """trace_collectives against cj.audit_collectives of the same program: the same bytes per collective kind.
 

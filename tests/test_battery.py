@@ -33,9 +33,9 @@ STEPS = 3  # PowerSGD's dense first step and DGC's 2-step warm-up are both behin
 #: "big" is large enough for DGC's sampled threshold at ratio 0.01 (k = 100 of 10,000)
 SHAPES = {"big": (100, 100), "dense": {"kernel": (16, 12), "bias": (12,)}}
 NAMES = sorted(CASES)
-#: The fast tier (``python -m pytest``) runs every case but those kept for the full tier (registry.FULL_ONLY) in
-#: the cheapest test (dtypes, odd leaves and audited bytes), and each other test on one or two cases; ``--all``
-#: runs every case in every test.
+#: The fast tier (``python -m pytest``) runs every case but those kept for the full tier (registry.FULL_ONLY)
+#: in the cheapest test (dtypes, odd leaves and audited bytes), and each other test on one or two cases;
+#: ``--all`` runs every case in every test.
 FAST_NAMES = tuple(n for n in NAMES if n not in FULL_ONLY)
 #: Copies of one transform in different compiled contexts (inside a wrapper's cond, say) may be fused
 #: differently by XLA: equal up to float32 rounding, not bit for bit.

@@ -150,7 +150,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n in ("3-bit, senders", "dct, sign") else pytest.param(n, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [n if n in ("3-bit, senders", "dct, sign") 
+                                  else pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(CONFIGS)])
 def test_chunktopk_matches_the_numpy_reference_over_steps(name):
     cfg = CONFIGS[name]

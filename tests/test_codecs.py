@@ -61,7 +61,9 @@ def test_matrix_view_is_out_by_rest():
 
 
 @pytest.mark.parametrize("shape", [(3, 3, 2, 4), (5, 7), (1, 1, 6, 3), (2, 3, 8)])
-@pytest.mark.parametrize("r", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 6])  # 6: one product, above CPU_COLUMNWISE_MAX_RANK
+# 6: one product, above CPU_COLUMNWISE_MAX_RANK
+@pytest.mark.parametrize("r", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow),
+                               6])
 def test_lowrank_products_match_numpy_on_the_matrix_view(shape, r):
     """M Q, Mᵀ P and P Qᵀ (as a parameter) on M = x.reshape(-1, out).T, computed without transposing M."""
     rng = np.random.default_rng(r)

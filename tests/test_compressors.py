@@ -91,7 +91,8 @@ def test_powersgd_full_rank_equals_identity(mesh):
     [
         pytest.param(lambda: cj.identity(axis_name=AXIS), marks=pytest.mark.slow),
         lambda: cj.topk(0.2, axis_name=AXIS),
-        pytest.param(lambda: cj.powersgd(rank=2, min_compression_rate=1.0, axis_name=AXIS), marks=pytest.mark.slow),
+        pytest.param(lambda: cj.powersgd(rank=2, min_compression_rate=1.0, axis_name=AXIS),
+                     marks=pytest.mark.slow),
     ],
     ids=["identity", "topk", "powersgd"],
 )

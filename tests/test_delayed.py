@@ -141,7 +141,8 @@ def np_dga_period(steps, delay, period):
 
 
 @pytest.mark.parametrize("delay,period", [pytest.param(0, 3, marks=pytest.mark.slow), (2, 3), (5, 2),
-                                          pytest.param(1, 4, marks=pytest.mark.slow), pytest.param(3, 1, marks=pytest.mark.slow)])
+                                          pytest.param(1, 4, marks=pytest.mark.slow),
+                                          pytest.param(3, 1, marks=pytest.mark.slow)])
 def test_period_matches_numpy_reference_over_30_steps(delay, period):
     n, steps = 4, 30
     gs = grads_steps(steps, n, seed=10 * delay + period)

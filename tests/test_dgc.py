@@ -77,8 +77,8 @@ def random_grads(steps, n, seed=0):
 @pytest.mark.parametrize(
     "nesterov,clip_norm,masking,sparsify_vectors",
     [*(pytest.param(*v, marks=pytest.mark.slow) for v in [
-        (False, None, True, True), (True, None, True, True), (False, 10.0, True, True), (True, 10.0, False, True),
-        (False, None, False, True)]),
+        (False, None, True, True), (True, None, True, True), (False, 10.0, True, True),
+        (True, 10.0, False, True), (False, None, False, True)]),
      (True, 10.0, True, False)],  # the fast tier: Nesterov, clipping, masking and dense vectors at once
 )
 def test_dgc_matches_numpy_reference(nesterov, clip_norm, masking, sparsify_vectors):

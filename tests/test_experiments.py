@@ -57,6 +57,7 @@ def test_registry_builds_every_compressor():
         assert has_trace == (not compressors.momentum_inside(name))
 
 
+@pytest.mark.slow
 def test_registry_passes_skip_nonfinite_to_every_compressor():
     """build(..., skip_nonfinite=) reaches every factory: a NaN gradient is skipped only with the guard on."""
     params = {"w": np.zeros((8, 8), np.float32), "b": np.zeros(8, np.float32)}
@@ -91,6 +92,7 @@ def test_poisoned_step_is_skipped_like_a_dropped_batch(tmp_path, capsys):
     assert epoch["kind"] == "epoch" and epoch["skipped_steps"] == [2]
 
 
+@pytest.mark.slow  # a main-job run
 def test_poisoned_step_without_the_guards_ruins_the_run(tmp_path):
     """With --no-skip-nonfinite the same NaN reaches the parameters: the guards are what protect the run."""
     summary = train.main(TINY + ["--max-steps", "3", "--poison-step", "1", "--no-skip-nonfinite",
@@ -173,6 +175,7 @@ def test_lr_before_compressor_is_the_same_sgd_for_a_linear_compressor():
     assert np.all(outs[True][1] < 0)  # descent: the updates are -lr * g
 
 
+@pytest.mark.slow  # a main-job run
 def test_main_job_runs_delayed_averaging_with_an_inner_compressor(tmp_path):
     """--compressor dga --delay 2 --inner topk: nothing is sent in the first 2 steps, then top-k's pairs."""
     out = tmp_path / "dga.jsonl"

@@ -69,7 +69,8 @@ def _device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("name", [pytest.param("dgc", marks=pytest.mark.slow), "streaming_diloco", pytest.param("delayed_averaging_topk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("dgc", marks=pytest.mark.slow), "streaming_diloco",
+                                  pytest.param("delayed_averaging_topk", marks=pytest.mark.slow)])
 def test_each_device_holds_a_quarter_of_parameters_and_state(name):
     """Per-device bytes of parameters + optimizer + compressor state: the replicated 2-D layout's / 4, up to the
     leaves every device holds whole (counters, keys, byte counts: < 2%), read from the arrays' shards and from the

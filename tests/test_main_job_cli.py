@@ -111,6 +111,7 @@ def test_run_files_are_named_from_the_config_and_the_start_time():
     assert ignored == 0  # git ignores runs/
 
 
+@pytest.mark.slow  # a main-job run
 def test_records_go_to_an_ignored_folder_one_file_per_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(records, "RUNS", tmp_path / "runs")
     first = train.main(TINY)
@@ -134,6 +135,7 @@ def test_records_go_to_an_ignored_folder_one_file_per_run(tmp_path, monkeypatch,
     assert "| 0.375 | 3 |" in table  # epochs and steps really trained, not the config's 1 epoch
 
 
+@pytest.mark.slow  # a main-job run
 def test_a_failed_run_writes_no_summary(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("evaluation failed")

@@ -36,9 +36,9 @@ def _env(cache: Path | None = None):
 
 @pytest.fixture(scope="module")
 def pace():
-    """Seconds a fresh process takes here and now to import JAX and compjax and compile and run a small program:
-    the unit of the wall-clock limits below (under 3 s on an idle 2-core machine; more under other jobs' load),
-    so a loaded machine gets proportionally longer.  The limits only catch a run that hangs."""
+    """Seconds a fresh process takes here and now to import JAX and compjax and compile and run a small
+    program: the unit of the wall-clock limits below (under 3 s on an idle 2-core machine; more under other
+    jobs' load), so a loaded machine gets proportionally longer.  The limits only catch a run that hangs."""
     code = ("import jax, jax.numpy as jnp, compjax; "
             "jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((256, 256))).block_until_ready()")
     start = time.monotonic()
@@ -61,8 +61,8 @@ def run(cmd, phase: str, timeout: float, **kwargs) -> subprocess.CompletedProces
 
 
 def wait_for(phase: str, timeout: float, done, proc: subprocess.Popen) -> float:
-    """Poll ``done()`` until true (returns the seconds it took); fail naming the phase if the launcher exits first
-    or ``timeout`` seconds pass, counted from this call (when the awaited event becomes possible)."""
+    """Poll ``done()`` until true (returns the seconds it took); fail naming the phase if the launcher exits
+    first or ``timeout`` seconds pass, counted from this call (when the awaited event becomes possible)."""
     start = time.monotonic()
     while not done():
         if proc.poll() is not None:
@@ -75,8 +75,8 @@ def wait_for(phase: str, timeout: float, done, proc: subprocess.Popen) -> float:
 
 def launch(processes: int, devices: int, log_dir: Path, *argv: str, module: str = "experiments.train",
            wait: bool = True, cache: Path | None = None, phase: str = "", timeout: float = 300):
-    """Run ``experiments.launch`` (``wait``: to its end, failing after ``timeout`` s naming ``phase``; else a Popen
-    whose output is a pipe)."""
+    """Run ``experiments.launch`` (``wait``: to its end, failing after ``timeout`` s naming ``phase``; else a
+    Popen whose output is a pipe)."""
     cmd = [sys.executable, "-m", "experiments.launch", "--processes", str(processes), "--devices-per-process",
            str(devices), "--module", module, "--log-dir", str(log_dir), "--", *argv]
     if wait:

@@ -171,7 +171,8 @@ def test_predict_step_unknown_collective():
 
 
 @pytest.mark.parametrize("make", [lambda: cj.topk(0.1, axis_name="data"),
-                                  pytest.param(lambda: cj.powersgd(2, axis_name="data"), marks=pytest.mark.slow)],
+                                  pytest.param(lambda: cj.powersgd(2, axis_name="data"),
+                                               marks=pytest.mark.slow)],
                          ids=["topk", "powersgd"])
 def test_prediction_uses_the_audited_bytes_of_a_compiled_step(mesh, make):
     tx = optax.chain(make(), optax.sgd(0.1))  # with the non-finite vote: an all-reduce next to the exchange

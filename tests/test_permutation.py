@@ -53,7 +53,8 @@ def test_subsets_replay_the_definition_in_numpy():
         assert len(set(idx.tolist())) == k and idx.min() >= 0 and idx.max() < d
 
 
-@pytest.mark.parametrize("d", [pytest.param(1000, marks=pytest.mark.slow), pytest.param(50_003, marks=pytest.mark.slow), 7])
+@pytest.mark.parametrize("d", [pytest.param(1000, marks=pytest.mark.slow), pytest.param(50_003, marks=pytest.mark.slow),
+                               7])
 def test_whole_permutation_is_a_permutation(d):
     """k = d: the draw is all of range(d) (cycle walking keeps the permutation inside it)."""
     st = cr.stream(jax.random.PRNGKey(3), 0, 0)

@@ -141,7 +141,8 @@ def relative_error(got, want):
     return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
-@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow),
+                                  pytest.param(8, marks=pytest.mark.slow)])
 def test_float32_powersgd_matches_float64_reference(rank):
     tx = cj.powersgd(rank=rank, min_compression_rate=0.0, axis_name=AXIS)
     state = init_stacked(tx, {k: jnp.zeros(s, jnp.float32) for k, (s, _) in LEAVES.items()}, NUM_WORKERS)

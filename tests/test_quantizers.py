@@ -191,7 +191,8 @@ def test_error_feedback_follows_the_codec_and_conserves_mass(make, codec):
         np.testing.assert_allclose(np.asarray(sent[k] + state.residual[k]), np.asarray(total[k]), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["terngrad", pytest.param("qsgd", marks=pytest.mark.slow), pytest.param("randomk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["terngrad", pytest.param("qsgd", marks=pytest.mark.slow),
+                                  pytest.param("randomk", marks=pytest.mark.slow)])
 def test_unbiased(name):
     """The mean of 10,000 seeded draws is within 4.5 standard errors of the (clipped) input, per element.
 

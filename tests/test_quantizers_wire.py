@@ -80,8 +80,8 @@ MAKERS = {
 
 
 @pytest.mark.parametrize(
-    "name,backend", [(name, "shard_map") for name in MAKERS] + [pytest.param("terngrad", b, marks=pytest.mark.slow)
-                                                               for b in ("pmap", "vmap")]
+    "name,backend",
+    [(name, "shard_map") for name in MAKERS] + [pytest.param("terngrad", b, marks=pytest.mark.slow) for b in ("pmap", "vmap")]
 )
 def test_mean_over_workers_matches_numpy(mesh, name, backend):
     """Every worker ends with the mean of all workers' decoded payloads; shard_map, pmap and vmap agree."""
@@ -146,7 +146,8 @@ AUDITED = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n in ("twobit", "cast_bf16") else pytest.param(n, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [n if n in ("twobit", "cast_bf16")
+                                  else pytest.param(n, marks=pytest.mark.slow)
                                   for n in AUDITED])
 def test_payload_bytes_equals_audited_bytes(mesh, name):
     params = audit_params()

@@ -137,7 +137,8 @@ def test_randomk_compressor_keeps_each_entry_with_probability_k_over_d():
     assert np.all(np.abs(hits - n * p) < 5 * math.sqrt(n * p * (1 - p)))
 
 
-@pytest.mark.parametrize("thr0", [pytest.param(1, marks=pytest.mark.slow), 0x7F000000])  # far too low (every entry passes) and far too high (none)
+# far too low (every entry passes) and far too high (none)
+@pytest.mark.parametrize("thr0", [pytest.param(1, marks=pytest.mark.slow), 0x7F000000])
 def test_threshold_moves_until_it_settles(thr0):
     x = jnp.asarray(np.random.default_rng(5).standard_normal(50_000).astype(np.float32))
     scores = select.magnitude_scores(x)

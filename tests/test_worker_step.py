@@ -103,6 +103,7 @@ def dropout_run(mesh, worker_rngs, seed=0):
     return out, model
 
 
+@pytest.mark.slow
 def test_nnx_workers_draw_their_own_dropout_masks_and_repeat_from_the_seed(mesh):
     (first, second), model = dropout_run(mesh, worker_rngs=True)
     loss, aux = first
