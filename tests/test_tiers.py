@@ -1,15 +1,19 @@
 """The two test tiers stay honest: every module of ``compjax`` keeps a test in the fast tier.
 
 ``python -m pytest`` runs the fast tier: every test not marked ``slow``, and the docstring examples;
-``python -m pytest --all`` runs the full tier, the ``slow`` tests too (CI runs both; tests/conftest.py leaves the
-slow ones out without ``--all``).
+``python -m pytest --all`` runs the full tier, the ``slow`` tests too (CI runs both; tests/conftest.py
+deselects the slow ones without ``--all``).
 
-A module of ``compjax`` (found by walking the package, so a new module is checked without being listed here)
-counts as tested in the fast tier when a fast test reaches it by name: the test function, a fixture it asks for,
-the helpers of tests/ it calls and the data of tests/ it reads (``registry.CASES``, say), followed through their
-code, name the module itself or a function, class or object defined in it.  A fast test is a test function not
-marked ``slow`` (nor its class or module); a parametrized test is fast when one of its cases is not marked
-``slow``, and then only its fast cases' arguments count.  Doctests do not count: they are examples, not checks.
+A module of ``compjax`` (found by walking the package, so a new module is checked without being listed
+here) counts as tested in the fast tier when a fast test reaches it by name: the test function, the
+fixtures it asks for, the helpers of tests/ it calls and the data of tests/ it reads (``registry.CASES``,
+say) name the module or a function, class or object defined in it, directly or through the code of the
+``compjax`` functions they name (a test of ``cj.topk`` reaches the sparse exchange topk calls).  Names are
+read from the code objects (globals and attributes), not from a trace: a name in a branch the test never
+takes counts too.  A package whose ``__init__`` defines nothing of its own counts when one of its modules
+does.  A fast test is a test function not marked ``slow`` (nor its class or module); a parametrized test
+is fast when one of its cases is not marked ``slow``, and then only its fast cases' arguments count.
+Doctests do not count: they are examples, not checks.
 """
 
 from __future__ import annotations
