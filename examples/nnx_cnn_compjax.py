@@ -6,7 +6,10 @@ model, optimizer and metrics get the worker axis, ``train_step`` is wrapped by
 ``parallel.worker_step`` (each worker draws its own dropout masks from the
 model's ``nnx.Rngs``), the loop calls the wrapped step, and the metrics (one
 value per worker) are averaged on the host.  ``train_step`` itself is imported
-unchanged.
+unchanged.  The trained model is worker-stacked (a leading worker axis in every
+Variable), so :func:`evaluate` hands the unchanged one-device eval
+``parallel.nnx_unreplicate(model)``: one worker's copy, the model the
+compressor's mean keeps equal on every worker.
 
 Run: ``python -m examples.nnx_cnn_compjax --steps 200`` (Fashion-MNIST; on CPU
 set ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 workers).
@@ -25,6 +28,7 @@ from compjax import parallel
 from examples.data import batches
 from examples.linen_resnet import main as _main
 from examples.nnx_cnn import CNN, train_step
+from examples.nnx_cnn import evaluate as evaluate_one
 
 
 def train(images, labels, *, steps=200, batch_size=64, lr=1e-3, seed=0, **model_kwargs):
@@ -42,6 +46,10 @@ def train(images, labels, *, steps=200, batch_size=64, lr=1e-3, seed=0, **model_
         history.append({k: float(v.mean()) for k, v in metrics.compute().items()})
         metrics.reset()
     return model, history
+
+
+def evaluate(model, images, labels, batch_size=256) -> float:  # compjax: one worker's copy of the model
+    return evaluate_one(parallel.nnx_unreplicate(model), images, labels, batch_size)
 
 
 if __name__ == "__main__":

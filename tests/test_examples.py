@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import compjax as cj
+from compjax import parallel
 from examples import linen_resnet, linen_resnet_compjax, nnx_cnn, nnx_cnn_compjax
 
 N = 8
@@ -71,6 +72,11 @@ def test_nnx_cnn_runs_data_parallel_with_metrics_and_its_own_masks(mesh):
         assert arr.shape[0] == N and (arr == arr[:1]).all()
     counts = np.asarray(nnx.state(model, nnx.RngCount)["dropout"]["rngs"]["count"][...])
     assert (counts == 2).all()  # one dropout draw per step on every worker (distinct masks: test_worker_step.py)
+    # The eval of the one-device program takes one worker's copy; the stacked model itself has an extra axis.
+    acc = nnx_cnn_compjax.evaluate(model, x, y)
+    assert 0.0 <= acc <= 1.0 and acc == nnx_cnn.evaluate(parallel.nnx_unreplicate(model), x, y)
+    with pytest.raises(ValueError, match="same number of dimensions"):  # the worker axis in every kernel
+        nnx_cnn.evaluate(model, x, y)
 
 
 @pytest.mark.slow  # an example program
