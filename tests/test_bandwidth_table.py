@@ -154,6 +154,7 @@ def test_bad_model_name():
         imagenet_models.param_shapes("resnet1000")
 
 
+@pytest.mark.slow  # the small benchmark run
 def test_publish_writes_the_committed_folder_with_the_overrides(small_run, monkeypatch, tmp_path):
     """--publish writes under experiments/results/reproduce only; --config.KEY=VALUE reaches the table.
 
