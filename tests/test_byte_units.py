@@ -48,7 +48,7 @@ def _run(layout: str, tx, steps: int = 1):
 
 
 @pytest.mark.parametrize("layout, workers", [("1d", 8), ("2d", SLOW), ("sharded", SLOW)])
-@pytest.mark.parametrize("name", ["topk", "identity"])
+@pytest.mark.parametrize("name", ["topk", pytest.param("identity", marks=pytest.mark.slow)])
 def test_payload_bytes_has_one_entry_per_worker_and_equals_the_audit_in_that_unit(layout, workers, name):
     make = {"topk": lambda: cj.topk(0.25, axis_name="data"), "identity": lambda: cj.identity(axis_name="data")}
     mesh, s, ops = _run(layout, optax.chain(make[name](), optax.sgd(0.1)))

@@ -76,7 +76,8 @@ def run_decoupled(steps, H, P, comp):
 
 
 @pytest.mark.parametrize("comp", ["identity", "chunktopk"])
-@pytest.mark.parametrize("P, H, steps", [(1, 2, 6), (2, 4, 12)], ids=["diloco", "streaming"])
+@pytest.mark.parametrize("P, H, steps", [(1, 2, 6), pytest.param(2, 4, 12, marks=pytest.mark.slow)],
+                         ids=["diloco", "streaming"])
 def test_full_quorum_without_overlap_equals_diloco_in_one_spmd_program(P, H, steps, comp):
     tx = cj.diloco(optax.sgd(LR), sync_every=H, fragments=P, compressor=compressor(comp, AXIS), axis_name=AXIS)
     hist, _, state = run_vmap(tx, steps, N)

@@ -96,7 +96,13 @@ def _run(tx, steps=3, loss_fn=None):
     return cj.audit_collectives(sharded), mesh, shard_bytes
 
 
-@pytest.mark.parametrize("name", sorted(CONVERTED))
+# The fast tier keeps one compressor of each kind of shard math (candidates, tiles, factors, column statistics,
+# random draws, a dense piece); the others run in the full tier (--all), as does the sharded battery.
+FAST_CASES = {"topk", "chunktopk", "powersgd", "onebit", "qsgd", "identity"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_CASES else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CONVERTED)])
 def test_a_compressor_on_shards_sends_no_layer_over_the_fast_axis_and_equals_the_replicated_layout(name):
     make, scope = CONVERTED[name]
     tx = optax.chain(make(), optax.sgd(0.1))
@@ -116,7 +122,7 @@ def _operand_bytes(dtype: str, shape: tuple) -> int:
     return int(np.prod(shape, dtype=np.int64)) * bits // 8
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc_exact_dense_vectors"])
+@pytest.mark.parametrize("name", ["topk", pytest.param("dgc_exact_dense_vectors", marks=pytest.mark.slow)])
 def test_top_k_on_shards_breaks_ties_as_the_whole_layer_does(name):
     """Gradients of a few distinct magnitudes: most of a layer's top-k is decided by the lowest index among
     equal magnitudes, across shards cut along the columns (w1) and along the rows (w2)."""
