@@ -387,6 +387,15 @@ def any_over_fast(flag: jnp.ndarray) -> jnp.ndarray:
         return jax.lax.pmax(flag.astype(jnp.int32), lay.axis) > 0
 
 
+def _inside_host(x: jnp.ndarray, reduce: Callable) -> jnp.ndarray:
+    """``reduce(x, fast axis)`` under :func:`uncounted` on a two-level step; ``x`` as it is elsewhere."""
+    lay = layout.current()
+    if lay is None:
+        return x
+    with uncounted():
+        return reduce(x, lay.axis)
+
+
 def sum_over_fast(x: jnp.ndarray) -> jnp.ndarray:
     """Sum of ``x`` over the devices of this host: a ``psum`` over the fast axis, inside the host.
 
@@ -401,11 +410,7 @@ def sum_over_fast(x: jnp.ndarray) -> jnp.ndarray:
     Returns:
       ``x`` summed over the fast axis: the same on every device of the host.
     """
-    lay = layout.current()
-    if lay is None:
-        return x
-    with uncounted():
-        return jax.lax.psum(x, lay.axis)
+    return _inside_host(x, jax.lax.psum)
 
 
 def max_over_fast(x: jnp.ndarray) -> jnp.ndarray:
@@ -421,11 +426,7 @@ def max_over_fast(x: jnp.ndarray) -> jnp.ndarray:
     Returns:
       ``x`` maxed over the fast axis: the same on every device of the host.
     """
-    lay = layout.current()
-    if lay is None:
-        return x
-    with uncounted():
-        return jax.lax.pmax(x, lay.axis)
+    return _inside_host(x, jax.lax.pmax)
 
 
 def gather_over_fast(x: jnp.ndarray) -> jnp.ndarray:
