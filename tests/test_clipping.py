@@ -133,3 +133,32 @@ def test_step_builders_warn_about_local_clipping_and_refuse_shard_norms():
     step = parallel.nnx_data_parallel_step(lambda m, b: jnp.mean(m(b) ** 2), mesh, fast_axis="fast")
     with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm"):
         step(model, optimizer, jnp.ones((16, 8)))
+
+
+def test_a_chain_without_a_compressor_warns_unless_independent():
+    """data_parallel_step and the NNX 2-D step with optax alone train one model per worker: said when built (or
+    at the first call for NNX), silent with independent=True or with a compjax compressor in the chain."""
+    import warnings
+
+    from flax import nnx
+
+    mesh1 = parallel.make_mesh()
+    with pytest.warns(UserWarning, match=r"holds no compjax compressor.*independent=True"):
+        parallel.data_parallel_step(_loss, optax.sgd(0.1), mesh1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.data_parallel_step(_loss, optax.sgd(0.1), mesh1, independent=True)
+        parallel.data_parallel_step(_loss, optax.chain(cj.identity(axis_name="data"), optax.sgd(0.1)), mesh1)
+        parallel.data_parallel_step(_loss, cj.diloco(optax.sgd(0.1), sync_every=4, axis_name="data"), mesh1)
+
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    parallel.nnx_replicate(mesh, model, optimizer)
+    loss = lambda m, b: jnp.mean(m(b) ** 2)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"nnx_data_parallel_step: tx holds no compjax compressor"):
+        parallel.nnx_data_parallel_step(loss, mesh, fast_axis="fast")(model, optimizer, jnp.ones((16, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.nnx_data_parallel_step(loss, mesh, fast_axis="fast", independent=True)(model, optimizer,
+                                                                                        jnp.ones((16, 8)))

@@ -22,7 +22,6 @@ part of the data:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import warnings
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from compjax import collectives, layout
+from compjax.compressors import chains
 from compjax._checks import check_range
 
 __all__ = [
@@ -127,46 +127,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _parts(obj: Any, seen: set) -> Iterator[Any]:
-    """The functions and transformations ``obj`` is built from, in closure order (chain order for chains)."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if hasattr(obj, "__func__") and hasattr(obj, "__self__"):  # a bound method: optax.MultiSteps.update
-        yield obj.__func__
-        yield from _parts(vars(obj.__self__) if hasattr(obj.__self__, "__dict__") else (), seen)
-    elif callable(obj) and hasattr(obj, "__code__"):
-        yield obj
-        for cell in obj.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            yield from _parts(value, seen)
-    elif isinstance(obj, (optax.GradientTransformation, optax.GradientTransformationExtraArgs)):
-        yield from _parts(obj.update, seen)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _parts(x, seen)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _parts(x, seen)
-
-
-def _factory(fn: Any) -> str:
-    return getattr(fn, "__qualname__", "").split(".<locals>")[0]
-
-
 def _norm_names(tx: Any) -> list[str]:
-    return list(dict.fromkeys(_factory(f) for f in _parts(tx, set())
-                              if _factory(f) in NORM_TRANSFORMS and not f.__module__.startswith("compjax")))
-
-
-def _is_compjax_exchange(fn: Any) -> bool:
-    """A function of a compjax compressor or algorithm (what exchanges across workers)."""
-    mod = getattr(fn, "__module__", "") or ""
-    return mod.startswith(("compjax.compressors", "compjax.algorithms")) and \
-        not mod.startswith("compjax.compressors.clip") and _factory(fn) not in ("apply_if_finite",)
+    return list(dict.fromkeys(chains.factory_name(f) for f in chains.parts(tx)
+                              if chains.factory_name(f) in NORM_TRANSFORMS and not f.__module__.startswith("compjax")))
 
 
 def check_sharded_chain(tx: optax.GradientTransformation) -> None:
@@ -212,11 +175,11 @@ def local_norm_transforms(tx: optax.GradientTransformation) -> list[str]:
       The factories' names (e.g. ``["clip_by_global_norm"]``), empty when none.
     """
     names = []
-    for fn in _parts(tx, set()):
-        if _is_compjax_exchange(fn):
+    for fn in chains.parts(tx):
+        if chains.is_exchange(fn):
             break
-        if _factory(fn) in NORM_TRANSFORMS and not fn.__module__.startswith("compjax"):
-            names.append(_factory(fn))
+        if chains.factory_name(fn) in NORM_TRANSFORMS and not fn.__module__.startswith("compjax"):
+            names.append(chains.factory_name(fn))
     return list(dict.fromkeys(names))
 
 

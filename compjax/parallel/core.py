@@ -32,6 +32,7 @@ The step builders on top: :func:`compjax.parallel.data_parallel_step` (pytrees,
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, workers
+from compjax.compressors import chains
 from compjax.parallel.placement import put
 
 #: The kinds of a step's positional arguments (see the module docstring).
@@ -262,3 +264,19 @@ def is_graph_node(x: Any) -> bool:
     except ImportError:  # pragma: no cover - flax is a dependency
         return False
     return nnx.graph.is_graph_node(x)
+
+
+def warn_no_exchange(tx: Any, builder: str, axis_name: str) -> None:
+    """Warn (``UserWarning``) when ``tx`` holds no compjax compressor or algorithm: nothing crosses the workers.
+
+    Such a step trains one model per worker without a word (a chain ported
+    without its compressor).  Read from the chain's closures
+    (:func:`compjax.compressors.chains.holds_exchange`) when the step is built.
+    """
+    if not chains.holds_exchange(tx):
+        warnings.warn(
+            f"{builder}: tx holds no compjax compressor or algorithm, so nothing crosses the worker axis "
+            f"{axis_name!r} and each worker trains its own model. Put one first in the chain, e.g. "
+            f"optax.chain(cj.identity(axis_name={axis_name!r}), ...) for the dense mean or cj.topk(0.01, "
+            f"axis_name={axis_name!r}), or pass independent=True when independent workers are meant (local SGD)",
+            UserWarning, stacklevel=3)

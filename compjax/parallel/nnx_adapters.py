@@ -31,6 +31,7 @@ from compjax.parallel.core import (
     host_mean,
     load_nnx,
     per_tree,
+    warn_no_exchange,
 )
 from compjax.parallel.mesh import check_axis
 from compjax.parallel.placement import checked_leaf_specs, gather, shard_batch, stack_copies, state_specs
@@ -232,9 +233,10 @@ def nnx_data_parallel_step(
         step (False: every worker draws the same numbers).
       donate: donate the model's and optimizer's buffers to the step (the
         arrays held before the call are deleted; the objects get the new ones).
-      independent: on a 1-D mesh, the workers are meant to train apart: no
-        warning when the optimizer's ``tx`` holds no compressor over
-        ``axis_name`` (as :func:`worker_step`'s ``independent``).
+      independent: the workers are meant to train apart: no warning when
+        nothing crosses ``axis_name`` (on a 1-D mesh read from the traced step,
+        as :func:`worker_step`'s ``independent``; on a 2-D mesh from the
+        optimizer's ``tx``, which must hold a compjax compressor or algorithm).
 
     Returns:
       ``train_step(model, optimizer, batch) -> loss`` (``-> (loss, aux)`` with
@@ -274,7 +276,7 @@ def nnx_data_parallel_step(
         check_axis(mesh, fast_axis)
         if fast_axis == axis_name:
             raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
-        return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate)
+        return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate, independent)
 
     def single(model, optimizer, batch):  # traced once per structure: the chain is checked then
         clip.warn_local_norms(optimizer.tx)
@@ -287,7 +289,8 @@ def nnx_data_parallel_step(
                        independent=independent)
 
 
-def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate) -> Callable[..., Any]:
+def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate,
+                   independent=False) -> Callable[..., Any]:
     """:func:`nnx_data_parallel_step` on a 2-D mesh, parameters whole or sharded over ``fast_axis``.
 
     The layout is read from the arrays (:func:`nnx_replicate` placed them): a
@@ -372,6 +375,8 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
         odef, ostate = nnx.split(optimizer)
         if id(optimizer.tx) not in checked:  # the chain, once per optimizer: see compjax.compressors.clip
             clip.warn_local_norms(optimizer.tx)
+            if not independent:
+                warn_no_exchange(optimizer.tx, "nnx_data_parallel_step", axis_name)
             if any(fast_axis in jax.tree.leaves(tuple(getattr(getattr(x, "sharding", None), "spec", ()))[1:])
                    for x in jax.tree.leaves(params)):
                 clip.check_sharded_chain(optimizer.tx)

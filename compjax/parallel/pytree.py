@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, layout
 from compjax.compressors import clip
-from compjax.parallel.core import build_step, check_flags, gather_whole, host_mean, keyed, per_tree
+from compjax.parallel.core import (
+    build_step,
+    check_flags,
+    gather_whole,
+    host_mean,
+    keyed,
+    per_tree,
+    warn_no_exchange,
+)
 from compjax.parallel.mesh import check_axis, worker_axes
 from compjax.parallel.placement import checked_leaf_specs, shard_dims, stacked_spec, state_specs
 
@@ -38,6 +46,7 @@ def data_parallel_step(
     has_aux: bool = False,
     rng: bool = False,
     donate: bool = False,
+    independent: bool = False,
 ) -> Callable[..., tuple]:
     """Build a jitted data-parallel train step under ``jax.shard_map``.
 
@@ -87,6 +96,9 @@ def data_parallel_step(
         (``i`` the worker index over all worker axes): different draws on
         every worker, the same on every run.
       donate: donate the params and state buffers to the step.
+      independent: the workers are meant to train apart (local SGD, an
+        ensemble): no warning when ``tx`` holds no compjax compressor or
+        algorithm.
 
     Returns:
       ``step(params, opt_state, batch[, key]) -> (params, opt_state, loss[, aux])``;
@@ -107,12 +119,16 @@ def data_parallel_step(
     Warns:
       UserWarning: when built, a norm-based optax transform before the
         compressor, which sees each worker's local gradient
-        (:func:`compjax.compressors.clip.warn_local_norms`).
+        (:func:`compjax.compressors.clip.warn_local_norms`); ``tx`` holding no
+        compjax compressor or algorithm (nothing would cross the worker axis:
+        each worker would train its own model) unless ``independent``.
     """
     check_axis(mesh, axis_name)
-    check_flags(has_aux=has_aux, rng=rng, donate=donate)
+    check_flags(has_aux=has_aux, rng=rng, donate=donate, independent=independent)
     if fast_axis is not None:
         check_axis(mesh, fast_axis)
+    if not independent:
+        warn_no_exchange(tx, "data_parallel_step", axis_name)
     clip.warn_local_norms(tx)
     if specs is not None:
         clip.check_sharded_chain(tx)
