@@ -29,6 +29,7 @@ from compjax.algorithms import (
     DelayedAveragingState,
     DemoState,
     DilocoState,
+    MultiStepsState,
     delayed_averaging,
     demo,
     diloco,
@@ -36,6 +37,7 @@ from compjax.algorithms import (
     diloco_global_params,
     diloco_swap_global,
     federated,
+    multi_steps,
     sparseloco,
 )
 from compjax.compressors import (
@@ -85,6 +87,7 @@ __all__ = [
     "DemoState",
     "DgcState",
     "DilocoState",
+    "MultiStepsState",
     "E3m0State",
     "IdentityState",
     "OnebitState",
@@ -122,6 +125,7 @@ __all__ = [
     "format_collectives",
     "identity",
     "message_bytes",
+    "multi_steps",
     "netmodel",
     "onebit",
     "parallel",

@@ -7,6 +7,8 @@
   ``nnx.Optimizer`` (a copy, or swapped in for a ``with`` block).
 * :func:`sparseloco` -- SparseLoCo (Sarfi et al., 2025): DiLoCo with chunk-top-k, 2-bit outer gradients whose
   decayed error feedback replaces the outer momentum.
+* :func:`multi_steps` -- gradient accumulation over ``k`` micro-steps with one exchange (``optax.MultiSteps``
+  runs the exchange on every micro-step).
 * :func:`demo` -- DeMo (Peng, Quesnelle & Kingma, 2024): DCT top-k of the momentum, sign update.
 """
 
@@ -21,7 +23,9 @@ from compjax.algorithms.diloco import (
     fragment_assignment,
 )
 from compjax.algorithms.diloco_nnx import diloco_global_model, diloco_swap_global
+from compjax.algorithms.multi_steps import MultiStepsState, multi_steps
 from compjax.algorithms.sparseloco import sparseloco
 
-__all__ = ["DelayedAveragingState", "DemoState", "DilocoState", "delayed_averaging", "demo", "describe_fragments", "diloco",
-           "diloco_global_model", "diloco_global_params", "diloco_swap_global", "federated", "fragment_assignment", "history_slots", "sparseloco"]
+__all__ = ["DelayedAveragingState", "DemoState", "DilocoState", "MultiStepsState", "delayed_averaging", "demo", "describe_fragments", "diloco",
+           "diloco_global_model", "diloco_global_params", "diloco_swap_global", "federated", "fragment_assignment", "history_slots", "multi_steps",
+           "sparseloco"]

@@ -20,7 +20,7 @@ import optax
 __all__ = ["factory_name", "holds_exchange", "is_exchange", "parts"]
 
 #: compjax transforms that wrap others but exchange nothing of their own (the vote aside).
-_WRAPPERS = frozenset({"apply_if_finite", "clip_by_global_norm"})
+_WRAPPERS = frozenset({"apply_if_finite", "clip_by_global_norm", "multi_steps"})
 
 
 def parts(tx: Any) -> Iterator[Any]:

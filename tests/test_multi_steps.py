@@ -1,0 +1,80 @@
+"""cj.multi_steps: optax.MultiSteps' gradient accumulation with the inner exchange only on the k-th step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import compjax as cj
+from compjax import parallel
+
+K, WORKERS = 3, 4
+
+
+def _loss(p, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] + p["b"] - y) ** 2)
+
+
+def _init():
+    return {"w1": jnp.ones((6, 8)) * 0.1, "w2": jnp.ones((8, 3)) * 0.1, "b": jnp.zeros(3)}
+
+
+def _batches(n, size):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(size, 6)).astype(np.float32), rng.normal(size=(size, 3)).astype(np.float32))
+            for _ in range(n)]
+
+
+def _chain():
+    return optax.chain(cj.topk(0.25, axis_name="w"), optax.sgd(0.5))
+
+
+def test_matches_optax_multisteps_under_vmap_and_sends_only_on_the_kth_step():
+    def run(tx):
+        def step(p, s, b):
+            g = jax.grad(_loss)(p, b)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        vstep = jax.jit(jax.vmap(step, axis_name="w"))
+        stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * WORKERS), t)  # noqa: E731
+        p, s = stack(_init()), stack(tx.init(_init()))
+        sent = []
+        for x, y in _batches(2 * K, WORKERS * 4):
+            p, s = vstep(p, s, (x.reshape(WORKERS, 4, 6), y.reshape(WORKERS, 4, 3)))
+            if isinstance(s, cj.MultiStepsState):
+                sent.append(cj.payload_bytes(s).tolist())
+        return p, sent
+
+    ours, sent = run(cj.multi_steps(_chain(), K))
+    ref, _ = run(optax.MultiSteps(_chain(), K).gradient_transformation())
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(ours["w1"], _init()["w1"])  # it trained
+    x = sent[K - 1][0]
+    assert x > 0 and sent == ([[0] * WORKERS] * (K - 1) + [[x] * WORKERS]) * 2
+
+
+def test_the_audit_counts_the_kth_steps_exchange_on_data_parallel_step():
+    mesh = parallel.make_mesh()
+    tx = cj.multi_steps(optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1)), K)
+    p, s = parallel.replicate(_init(), mesh), parallel.init_worker_state(tx, _init(), mesh)
+    step = parallel.data_parallel_step(_loss, tx, mesh)
+    sent = []
+    for b in _batches(K, 32):
+        b = parallel.shard_batch(b, mesh)
+        p, s, _ = step(p, s, b)
+        sent.append(int(cj.payload_bytes(s)[0]))
+    assert sent[:-1] == [0] * (K - 1) and sent[-1] > 0
+    ops = cj.audit_collectives(step, p, s, b)
+    assert cj.worker_bytes(ops, mesh) == sent[-1]
+
+
+@pytest.mark.parametrize("every_k", [0, -2, 1.5, True])
+def test_bad_every_k_is_refused_naming_it(every_k):
+    with pytest.raises(ValueError, match="every_k"):
+        cj.multi_steps(optax.sgd(0.1), every_k)
