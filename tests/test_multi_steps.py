@@ -72,6 +72,8 @@ def test_the_audit_counts_the_kth_steps_exchange_on_data_parallel_step():
     assert sent[:-1] == [0] * (K - 1) and sent[-1] > 0
     ops = cj.audit_collectives(step, p, s, b)
     assert cj.worker_bytes(ops, mesh) == sent[-1]
+    mine = [op for op in ops if op.issuer == "compjax"]
+    assert mine and all(op.branch for op in mine)  # the exchange sits in the cond's branch: not run on micro-steps
 
 
 @pytest.mark.parametrize("every_k", [0, -2, 1.5, True])
