@@ -330,7 +330,8 @@ def _warn_micro_step(tree: Any, who: str) -> None:
     ``optax.MultiSteps`` runs its inner transformation -- a compressor's
     exchange included -- on every micro-step and keeps the new inner state only
     every ``k``-th: the wire carries the payload on every micro-step while the
-    state keeps the count of the last kept step.
+    state keeps the count of the last kept step.  The message names the fix,
+    :func:`compjax.multi_steps`.
     """
     import optax
 
@@ -344,9 +345,10 @@ def _warn_micro_step(tree: Any, who: str) -> None:
                 f"{who}: this state is between two kept steps of optax.MultiSteps (mini_step != 0). MultiSteps runs "
                 "the compressor's exchange on every micro-step and keeps its result only every k-th step, so the "
                 "wire carried a payload on this step too, while the count read here is that of the last kept step "
-                "(0 before the first). To exchange once per k micro-batches, accumulate the micro-batches' "
-                "gradients inside the step (one compressor update per step) instead of wrapping the compressor in "
-                "optax.MultiSteps", stacklevel=3)
+                "(0 before the first). To exchange once per k micro-batches, replace optax.MultiSteps(inner, k) "
+                "with cj.multi_steps(inner, k) (the same accumulation; the exchange runs only on the k-th step and "
+                "the count reads 0 on micro-steps), or accumulate the micro-batches' gradients inside the step "
+                "(one compressor update per step)", stacklevel=3)
             return
 
 

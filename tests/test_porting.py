@@ -155,6 +155,7 @@ def test_multisteps_micro_steps_warn_that_the_exchange_ran_and_the_count_is_the_
         if micro:
             assert "MultiSteps runs the compressor's exchange on every micro-step" in str(caught[0].message)
             assert "accumulate the micro-batches' gradients inside the step" in str(caught[0].message)
+            assert "with cj.multi_steps(inner, k)" in str(caught[0].message)
     assert seen == [0, 0, 0, audited] + [audited] * 4  # the kept count; the warning says what it is
 
 
