@@ -80,3 +80,25 @@ def test_the_audit_counts_the_kth_steps_exchange_on_data_parallel_step():
 def test_bad_every_k_is_refused_naming_it(every_k):
     with pytest.raises(ValueError, match="every_k"):
         cj.multi_steps(optax.sgd(0.1), every_k)
+
+
+def test_a_nonfinite_micro_gradient_skips_that_inner_step_on_every_worker_and_the_next_cycle_trains():
+    """As optax.MultiSteps without should_skip_update_fn: the NaN enters the mean; the compressor's vote skips."""
+    tx = cj.multi_steps(optax.chain(cj.topk(0.5, axis_name="w"), optax.sgd(1.0)), 2)
+    s = jax.vmap(tx.init)({"w": jnp.zeros((WORKERS, 4))})
+    vstep = jax.jit(jax.vmap(lambda s, g: tx.update(g, s), axis_name="w"))
+    ones = jnp.ones((WORKERS, 4))
+    outs = []
+    for g in (ones, ones.at[1, 2].set(jnp.nan), ones, ones):
+        u, s = vstep(s, {"w": g})
+        outs.append(np.asarray(u["w"]))
+    assert all(np.isfinite(o).all() for o in outs)
+    assert not outs[1].any() and not np.asarray(s.acc_grads["w"]).any()  # skipped everywhere, accumulator reset
+    np.testing.assert_allclose(outs[3], np.tile([-1.0, -1.0, 0.0, 0.0], (WORKERS, 1)))
+
+
+def test_the_step_builders_see_the_compressor_inside_and_not_the_wrapper_itself():
+    from compjax.compressors import chains
+
+    assert chains.holds_exchange(cj.multi_steps(optax.chain(cj.topk(0.5, axis_name="w"), optax.sgd(0.1)), 2))
+    assert not chains.holds_exchange(cj.multi_steps(optax.sgd(0.1), 2))
