@@ -102,3 +102,29 @@ def test_the_step_builders_see_the_compressor_inside_and_not_the_wrapper_itself(
 
     assert chains.holds_exchange(cj.multi_steps(optax.chain(cj.topk(0.5, axis_name="w"), optax.sgd(0.1)), 2))
     assert not chains.holds_exchange(cj.multi_steps(optax.sgd(0.1), 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2d", "sharded"])
+def test_two_d_and_sharded_layouts_send_on_the_kth_step_only_and_match_the_audit(layout):
+    from test_byte_units import _run
+
+    tx = cj.multi_steps(optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1)), 2)
+    _, s1, _ = _run(layout, tx, steps=1)
+    mesh, s2, ops = _run(layout, tx, steps=2)
+    assert cj.payload_bytes(s1).tolist() == [0, 0]
+    sent = cj.payload_bytes(s2).tolist()
+    assert sent[0] > 0 and sent == [sent[0]] * 2 and cj.worker_bytes(ops, mesh) == sent[0]
+
+
+def test_nested_counters_read_zero_on_micro_steps():
+    """A counter inside a state that has one of its own (delayed averaging over top-k) is silenced too."""
+    inner = cj.delayed_averaging(0, axis_name="w", compressor=cj.topk(0.5, axis_name="w", skip_nonfinite=False))
+    tx = cj.multi_steps(optax.chain(inner, optax.sgd(0.1)), 2)
+    s = jax.vmap(tx.init)({"w": jnp.zeros((WORKERS, 4))})
+    vstep = jax.jit(jax.vmap(lambda s, g: tx.update(g, s), axis_name="w"))
+    sent = []
+    for t in range(4):
+        _, s = vstep(s, {"w": jnp.arange(16.0).reshape(WORKERS, 4) + t})
+        sent.append(int(cj.payload_bytes(s)[0]))
+    assert sent[0] == sent[2] == 0 and sent[1] == sent[3] > 4  # more than delayed averaging's 4-byte vote
