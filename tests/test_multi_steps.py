@@ -41,7 +41,7 @@ def test_matches_optax_multisteps_under_vmap_and_sends_only_on_the_kth_step():
             return optax.apply_updates(p, u), s
 
         vstep = jax.jit(jax.vmap(step, axis_name="w"))
-        stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * WORKERS), t)  # noqa: E731
+        stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * WORKERS), t)
         p, s = stack(_init()), stack(tx.init(_init()))
         sent = []
         for x, y in _batches(2 * K, WORKERS * 4):

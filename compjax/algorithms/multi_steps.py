@@ -99,7 +99,7 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int) -> optax.Grad
     check_range("every_k", every_k, 1, None, integer=True, static=True)
     every_k = int(every_k)
     if not isinstance(inner, optax.GradientTransformation):
-        raise ValueError(f"inner must be an optax GradientTransformation, got {inner!r}")
+        raise ValueError(f"inner must be an optax GradientTransformation, got {inner!r}")  # noqa: TRY004
     inner = optax.with_extra_args_support(inner)
 
     def acc_dtype(x):
