@@ -248,6 +248,8 @@ def test_a_restarted_syncer_resumes_bit_identical_to_its_checkpoint_and_learners
     step = int(again.text().split("restored step ")[1].split()[0])
     for lrn in learners:
         lrn.wait_for("the syncer restarted", f"{lrn.log_path.stem} noticing the restart")
+    for lrn in learners:  # the welcome's refusals are taken between the learner's steps: wait for them
+        lrn.wait_for("syncer restarted: resuming", f"{lrn.log_path.stem} resuming from the restarted syncer")
     again.wait_for("merged fragment", "merges after the restart", count=3)
     (tmp_path / "stop").touch()
     for lrn in learners:

@@ -113,8 +113,8 @@ def onebit_encode(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
 def onebit_sums(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """The column statistics of :func:`onebit_encode`: float32 ``(cols,)`` sums of ``x`` and ``|x|``, int32 counts of ``x >= 0``.
 
-    Column sums of x, |x| and of the ±1 sign give both sides' sums and counts
-    (sum>=0 = (Σx + Σ|x|) / 2, sum<0 = (Σx - Σ|x|) / 2): three plain column
+    Column sums of ``x``, ``|x|`` and of the ±1 sign give both sides' sums and counts
+    (``sum>=0 = (Σx + Σ|x|) / 2``, ``sum<0 = (Σx - Σ|x|) / 2``): three plain column
     reductions, much faster on CPU than masked ones.  They add up over row
     blocks: a layer cut into shards along a dimension other than its last has
     the sums of its shards' sums.

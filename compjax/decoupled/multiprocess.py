@@ -452,6 +452,7 @@ class MultiProcessTransport(Transport):
                 if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
                     start = self._start_of(msg)
                     why = f"syncer restarted: resuming from its global model at versions {list(start.versions)}"
+                    logger.warning("learner %r: %s", self.name, why)
                     self._pending.extend(Reply(self.name, p, v, vals, accepted=False, reason=why)
                                          for p, (vals, v) in enumerate(zip(start.values, start.versions)))
                     continue
