@@ -136,3 +136,18 @@ def test_error_feedback_stays_on_the_learner():
 def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
     with pytest.raises(ValueError, match=word):
         learner("a", InProcessTransport(["a"]), **kwargs)
+
+
+class BrokenTransport(InProcessTransport):
+    """Its send fails (a network error on the sender thread)."""
+
+    def send(self, contribution):
+        raise ConnectionError("the link is down")
+
+
+def test_a_failed_send_raises_at_the_next_send_not_as_a_missing_reply():
+    lrn = learner("a", BrokenTransport(["a"]), fragments=3, sync_every=3)
+    lrn.step(1.0)  # fragment 1 is due after step 1: its send fails on the sender thread
+    with pytest.raises(ConnectionError, match="the link is down"):
+        for _ in range(6):  # the next send (or the wait for a reply) raises the sender thread's error
+            lrn.step(1.0)

@@ -321,7 +321,18 @@ class Learner:
 
     # --- sending ------------------------------------------------------------------------------------
 
+    def _check_sends(self) -> None:
+        """Raise the error of a send that failed on the sender thread; forget the sends that are done."""
+        pending = []
+        for f in self._sends:
+            if f.done():
+                f.result()  # a failed send raises here, not later as a reply that never comes
+            else:
+                pending.append(f)
+        self._sends = pending
+
     def _send(self, p: int) -> None:
+        self._check_sends()
         leaves = jax.tree.leaves(self.params)
         delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
         decoded, self._comm[p] = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
@@ -329,7 +340,7 @@ class Learner:
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count
         self.stats.sends[p] += 1
-        self._sends = [f for f in self._sends if not f.done()] + [job]
+        self._sends.append(job)
 
     def _ship(self, p: int, base_version: int, tokens: float, step: int, decoded: list, comm_state: Any) -> None:
         """On the sender thread: wait for the encoded arrays, count their bytes, hand them to the transport."""
@@ -343,11 +354,13 @@ class Learner:
     # --- receiving ----------------------------------------------------------------------------------
 
     def _await_reply(self) -> None:
-        for f in self._sends:
-            if f.done():
-                f.result()  # a failed send raises here rather than hanging
         start = time.perf_counter()
-        reply = self._transport.poll(self.name, timeout=self._timeout)
+        while True:  # in slices, so that a send failing meanwhile raises its error rather than a time-out
+            self._check_sends()
+            left = None if self._timeout is None else self._timeout - (time.perf_counter() - start)
+            reply = self._transport.poll(self.name, timeout=0.5 if left is None else max(0.0, min(0.5, left)))
+            if reply is not None or (left is not None and left <= 0.5):
+                break
         self.stats.wait_seconds += time.perf_counter() - start
         if reply is None:
             raise TimeoutError(f"learner {self.name!r}: no reply from the syncer within {self._timeout} s "
