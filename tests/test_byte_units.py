@@ -85,7 +85,7 @@ def test_worker_bytes_takes_the_largest_branch_of_each_conditional():
 
 
 def test_the_fast_axis_sum_of_a_whole_leaf_is_labelled_compjax():
-    mesh, s, ops = _run("sharded", optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1)))
+    mesh, _, ops = _run("sharded", optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1)))
     inside = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",) and op.op == "all-reduce"]
     assert any(op.bytes >= 12 for op in inside)  # b's gradient (3 float32) summed over the host's devices
     assert cj.bytes_by_issuer(ops)["other"] == 0, cj.format_collectives(ops)

@@ -155,7 +155,7 @@ def test_a_chain_without_a_compressor_warns_unless_independent():
     model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     parallel.nnx_replicate(mesh, model, optimizer)
-    loss = lambda m, b: jnp.mean(m(b) ** 2)  # noqa: E731
+    loss = lambda m, b: jnp.mean(m(b) ** 2)
     with pytest.warns(UserWarning, match=r"nnx_data_parallel_step: tx holds no compjax compressor"):
         parallel.nnx_data_parallel_step(loss, mesh, fast_axis="fast")(model, optimizer, jnp.ones((16, 8)))
     with warnings.catch_warnings():

@@ -8,8 +8,8 @@ the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
 """
 
 from compjax.compressors.cast import CastState, cast
-from compjax.compressors.clip import ClipByGlobalNormState, clip_by_global_norm
 from compjax.compressors.chunktopk import ChunktopkState, chunktopk, chunktopk_bytes
+from compjax.compressors.clip import ClipByGlobalNormState, clip_by_global_norm
 from compjax.compressors.dgc import DgcState, dgc, dgc_warmup_schedule
 from compjax.compressors.e3m0 import E3m0State, e3m0
 from compjax.compressors.finite import ApplyIfFiniteState, apply_if_finite

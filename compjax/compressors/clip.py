@@ -22,17 +22,16 @@ part of the data:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from compjax import collectives, layout
-from compjax.compressors import chains
 from compjax._checks import check_range
+from compjax.compressors import chains
 
 __all__ = [
     "ClipByGlobalNormState",

@@ -14,7 +14,14 @@ import optax
 
 from compjax import bytecount, collectives
 from compjax._checks import check_range
-from compjax.codecs.lowrank import back_project, matrix_shape, orthonormalize, project, reconstruct, use_lowrank
+from compjax.codecs.lowrank import (
+    back_project,
+    matrix_shape,
+    orthonormalize,
+    project,
+    reconstruct,
+    use_lowrank,
+)
 from compjax.collectives import AxisName
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key
