@@ -76,3 +76,34 @@ def init_stacked(tx, params, n):
 def files_under(root) -> list[str]:
     """The files below ``root`` as sorted relative POSIX paths ([] if ``root`` does not exist)."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def replicated_and_sharded(loss_fn, tx, init, specs, batches, mesh, fast_axis="fast"):
+    """Train ``batches`` in the replicated 2-D layout and in the sharded one (``specs``) from the same ``init``.
+
+    Returns ``((rp, rs), (sp, ss), sharded)``: each layout's parameters and state after the last batch, and the
+    sharded step compiled from the first batch (the very program that ran, for ``audit_collectives``).
+    """
+    from compjax import parallel
+
+    rp = parallel.replicate(init, mesh, fast_axis=fast_axis)
+    rs = parallel.init_worker_state(tx, init, mesh, fast_axis=fast_axis)
+    sp = parallel.replicate(init, mesh, specs=specs)
+    ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
+    first = parallel.shard_batch(batches[0], mesh, fast_axis=fast_axis)
+    replicated = parallel.data_parallel_step(loss_fn, tx, mesh, fast_axis=fast_axis)
+    sharded = parallel.data_parallel_step(loss_fn, tx, mesh, specs=specs).lower(sp, ss, first).compile()
+    for b in batches:
+        b = parallel.shard_batch(b, mesh, fast_axis=fast_axis)
+        rp, rs, _ = replicated(rp, rs, b)
+        sp, ss, _ = sharded(sp, ss, b)
+    return (rp, rs), (sp, ss), sharded
+
+
+def assert_same_params(sharded_params, replicated_params, fast, tol=1e-6):
+    """Every leaf of the sharded layout equals the replicated 2-D layout's (one copy per host) within ``tol``."""
+    from compjax import parallel
+
+    got, want = parallel.gather(sharded_params), parallel.gather(replicated_params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k][::fast], rtol=tol, atol=tol, err_msg=k)

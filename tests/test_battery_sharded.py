@@ -22,6 +22,7 @@ from registry import CASES
 
 import compjax as cj
 from compjax import parallel
+from tests.helpers import assert_same_params, replicated_and_sharded
 
 pytestmark = pytest.mark.slow  # the full tier only (--all): every case on a 2 x 4 mesh, sharded
 
@@ -47,21 +48,8 @@ def test_sharded_layout_equals_the_replicated_2d_layout_and_sends_the_payload_on
     assert [specs[k] for k in ("b2", "s")] == [jax.P(), jax.P()] and all(specs[k] != jax.P() for k in ("w1", "b1", "w2"))
     tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))
 
-    rp = parallel.replicate(init, mesh, fast_axis="fast")
-    rs = parallel.init_worker_state(tx, init, mesh, fast_axis="fast")
-    sp = parallel.replicate(init, mesh, specs=specs)
-    ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
-    first = parallel.shard_batch(batches[0], mesh, fast_axis="fast")
-    replicated = parallel.data_parallel_step(loss, tx, mesh, fast_axis="fast")
-    sharded = parallel.data_parallel_step(loss, tx, mesh, specs=specs).lower(sp, ss, first).compile()
-    for b in batches:
-        b = parallel.shard_batch(b, mesh, fast_axis="fast")
-        rp, rs, _ = replicated(rp, rs, b)
-        sp, ss, _ = sharded(sp, ss, b)
-
-    got, want = parallel.gather(sp), parallel.gather(rp)
-    for k in init:
-        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    (rp, rs), (sp, ss), sharded = replicated_and_sharded(loss, tx, init, specs, batches, mesh)
+    assert_same_params(sp, rp, FAST)
     assert sp["w1"].addressable_shards[0].data.shape == (1, 6, 16 // FAST)
     sent = np.asarray(cj.payload_bytes(ss))
     np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs)))  # one entry per host in both layouts

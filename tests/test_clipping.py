@@ -13,6 +13,7 @@ import pytest
 import compjax as cj
 from compjax import parallel
 from compjax.compressors import clip
+from tests.helpers import assert_same_params, replicated_and_sharded
 
 SLOW, FAST = 2, 4
 
@@ -59,20 +60,12 @@ def test_sharded_clipping_takes_the_whole_models_norm():
     specs = parallel.fsdp_specs(init, mesh, min_size=1)
     assert specs["b2"] == jax.P() and specs["w1"] != jax.P()
     tx = optax.chain(cj.topk(0.25, axis_name="data"), cj.clip_by_global_norm(0.05), optax.sgd(1.0))
-    rp, rs = parallel.replicate(init, mesh, fast_axis="fast"), parallel.init_worker_state(tx, init, mesh, fast_axis="fast")
-    sp, ss = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
-    replicated = parallel.data_parallel_step(_loss, tx, mesh, fast_axis="fast")
-    sharded = parallel.data_parallel_step(_loss, tx, mesh, specs=specs)
-    before = parallel.gather(rp)
-    for _ in range(3):
-        b = (rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
-        b = parallel.shard_batch(b, mesh, fast_axis="fast")
-        rp, rs, _ = replicated(rp, rs, b)
-        sp, ss, _ = sharded(sp, ss, b)
-    got, want = parallel.gather(sp), parallel.gather(rp)
-    for k in init:
-        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
-    step = np.sqrt(sum(np.sum((want[k][0] - before[k][0]) ** 2) for k in init))
+    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
+               for _ in range(3)]
+    (rp, _), (sp, _), _ = replicated_and_sharded(_loss, tx, init, specs, batches, mesh)
+    assert_same_params(sp, rp, FAST)
+    want = parallel.gather(rp)
+    step = np.sqrt(sum(np.sum((want[k][0] - np.asarray(init[k])) ** 2) for k in init))
     assert step <= 3 * 0.05 + 1e-5 and step > 0.05  # each of the 3 steps moved by exactly max_norm (clipped)
 
 

@@ -22,6 +22,7 @@ import pytest
 
 import compjax as cj
 from compjax import parallel
+from tests.helpers import assert_same_params, replicated_and_sharded
 
 SLOW, FAST = 2, 4
 
@@ -76,21 +77,9 @@ def _run(tx, steps=3, loss_fn=None):
     rng = np.random.default_rng(1)
     batches = [(rng.normal(size=(32, 64)).astype(np.float32), rng.normal(size=(32, 32)).astype(np.float32))
                for _ in range(steps)]
-    rp = parallel.replicate(init, mesh, fast_axis="fast")
-    rs = parallel.init_worker_state(tx, init, mesh, fast_axis="fast")
-    sp = parallel.replicate(init, mesh, specs=specs)
-    ss = parallel.init_worker_state(tx, init, mesh, specs=specs)
-    first = parallel.shard_batch(batches[0], mesh, fast_axis="fast")
-    loss_fn = loss if loss_fn is None else loss_fn
-    replicated = parallel.data_parallel_step(loss_fn, tx, mesh, fast_axis="fast")
-    sharded = parallel.data_parallel_step(loss_fn, tx, mesh, specs=specs).lower(sp, ss, first).compile()
-    for b in batches:
-        b = parallel.shard_batch(b, mesh, fast_axis="fast")
-        rp, rs, _ = replicated(rp, rs, b)
-        sp, ss, _ = sharded(sp, ss, b)
-    got, want = parallel.gather(sp), parallel.gather(rp)
-    for k in init:
-        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    (rp, rs), (sp, ss), sharded = replicated_and_sharded(loss if loss_fn is None else loss_fn, tx, init, specs,
+                                                         batches, mesh)
+    assert_same_params(sp, rp, FAST)
     np.testing.assert_array_equal(np.asarray(cj.payload_bytes(ss)), np.asarray(cj.payload_bytes(rs)))  # one entry per host in both layouts
     shard_bytes = [int(np.prod(v.shape)) * 4 // FAST for k, v in init.items() if specs[k] != jax.P()]
     return cj.audit_collectives(sharded), mesh, shard_bytes
