@@ -124,6 +124,161 @@ def build_step(
     return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
 
 
+def build_sharded_step(
+    body: Callable[..., Any],
+    mesh: Mesh,
+    worker_axis: str,
+    fast: str,
+    kinds: str | Sequence[str],
+    *,
+    in_specs: Sequence[Any],
+    out_specs: Any,
+    donate: bool = False,
+) -> Any:
+    """``jax.jit`` of a ``jax.shard_map`` manual over the worker axis only: the sharded (FSDP) layout's step core.
+
+    Parameters and state are sharded over ``fast`` (``P(worker_axis, *spec)``,
+    :func:`compjax.parallel.replicate` with ``specs=``).  The ``shard_map``
+    takes the worker axis alone as manual (``axis_names={worker_axis}``): the
+    body runs on one worker's *logical* arrays, which stay sharded over
+    ``fast`` by their own specs, and XLA's SPMD partitioner inserts the
+    collectives inside the host where the body uses them: a parameter is
+    all-gathered where it is used (for blocks under ``jax.lax.scan`` over
+    stacked layer parameters, one layer at a time inside the loop), its
+    gradient reduced back to shards.  Nothing is gathered whole up front.
+    :func:`on_shards` makes ``fast`` manual again for the part that works on
+    each device's shards (the optimizer and its compressors).
+
+    The kinds are :func:`build_step`'s, with these differences:
+
+    * ``"s"``: the body gets this worker's slice ``x[0]``, constrained to the
+      leaf's own spec (``in_specs`` without the worker axis);
+    * ``"b"``: the body gets this worker's rows cut into ``fast`` chunks on a
+      new leading axis (``(fast, rows / fast, ...)``, sharded over ``fast``):
+      chunk ``c`` is the rows device ``c`` of the worker's host holds;
+    * ``"k"``: the body gets the ``fast`` keys of the chunks, stacked:
+      ``jax.random.fold_in(key, w * fast + c)`` for worker ``w`` and chunk
+      ``c``, the key the device holding that chunk would fold on a 2-D mesh.
+
+    Outputs: a leaf whose entry in ``out_specs`` runs over both axes
+    (``P((worker_axis, fast), ...)``: one value per device, losses and aux) is
+    returned by the body with the chunk axis leading, as it is; every other
+    output is worker-stacked (``x[None]``) and placed by its spec.
+
+    Args:
+      body: ``body(*args) -> outputs`` on one worker's logical values.
+      mesh: the 2-D mesh.
+      worker_axis: the slow mesh axis (a name).
+      fast: the fast mesh axis the specs shard over.
+      kinds: one letter per positional argument, from ``"sbkc"``.
+      in_specs: one entry per argument: None (the default for its kind) or the
+        ``PartitionSpec`` (or a tree of them, a prefix of the argument) of a
+        stacked argument, the worker axis first.
+      out_specs: a tree of ``PartitionSpec``s, a prefix of the outputs, with the worker axis.
+      donate: donate the stacked arguments' buffers.
+
+    Returns:
+      The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
+
+    Raises:
+      ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length than ``kinds``.
+    """
+    kinds = tuple(kinds)
+    if not set(kinds) <= KINDS:
+        raise ValueError(f"kinds must be letters of {sorted(KINDS)}, got {''.join(kinds)!r}")
+    in_specs = tuple(in_specs)
+    if len(in_specs) != len(kinds):
+        raise ValueError(f"in_specs has {len(in_specs)} entries for {len(kinds)} arguments")
+    size = mesh.shape[fast]
+    worker = P(worker_axis)
+    static = tuple(i for i, k in enumerate(kinds) if k == "c")
+    donated = tuple(i for i, k in enumerate(kinds) if k == "s") if donate else ()
+    per_device = (worker_axis, fast)
+
+    def own(spec: P) -> P:  # a stacked leaf's spec without the worker axis
+        return P(*tuple(spec)[1:])
+
+    def local(kind: str, a: Any, spec: Any) -> Any:
+        if kind == "s":
+            if spec is None:
+                return jax.tree.map(lambda x: x[0], a)
+            return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: constrain(x[0], own(s)), sub), spec, a,
+                                is_leaf=_is_spec)
+        if kind == "b":
+            return jax.tree.map(lambda x: constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), P(fast)), a)
+        if kind == "k":
+            first = collectives.worker_index(worker_axis) * size
+            return jax.tree.map(
+                lambda k: jax.vmap(lambda c: jax.random.fold_in(k, first + c))(jnp.arange(size, dtype=jnp.int32)), a)
+        return a
+
+    def is_per_device(spec: P) -> bool:
+        first = tuple(spec)[0] if len(spec) else None
+        return isinstance(first, tuple) and tuple(first) == per_device
+
+    def per_worker(consts: tuple, *mapped: Any) -> Any:
+        it_c, it_m = iter(consts), iter(mapped)
+        args = [next(it_c) if k == "c" else local(k, next(it_m), s) for k, s in zip(kinds, in_specs)]
+        outs = body(*args)
+        return jax.tree.map(lambda s, sub: sub if is_per_device(s) else jax.tree.map(lambda x: x[None], sub),
+                            out_specs, outs, is_leaf=_is_spec)
+
+    def run(*args: Any) -> Any:
+        consts = tuple(a for a, k in zip(args, kinds) if k == "c")
+        mapped = tuple(a for a, k in zip(args, kinds) if k != "c")
+        specs = tuple(P() if k == "k" else worker for k in kinds if k != "c")
+        sharded = jax.shard_map(functools.partial(per_worker, consts), mesh=mesh, in_specs=specs, out_specs=worker,
+                                axis_names={worker_axis})
+        return sharded(*mapped)
+
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=_is_spec)
+    return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
+
+
+def constrain(x: Any, spec: P) -> Any:
+    """``x`` laid out by ``spec`` over the mesh's automatic axes (``jax.lax.with_sharding_constraint``)."""
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def on_shards(fn: Callable[..., Any], fast: str, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    """``fn`` on each device's shards: a ``jax.shard_map`` that makes ``fast`` manual inside :func:`build_sharded_step`.
+
+    ``in_specs`` and ``out_specs`` are the leaves' own specs (without the
+    worker axis; ``P()``: held whole by every device of the host).
+    """
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={fast})
+
+
+def per_device_value_and_grad(loss_fn: Callable[..., Any], fast: str, has_aux: bool,
+                              grad_specs: Any = None) -> Callable[..., Any]:
+    """The loss of every chunk of a worker's batch and the gradient of their mean, the parameters sharded or not.
+
+    ``fn(params, chunks, *keys) -> ((losses, aux), grads)``: ``chunks`` and
+    ``keys`` carry :func:`build_sharded_step`'s leading chunk axis (one chunk
+    per device of the host); ``loss_fn(params, chunk[, key])`` runs on each
+    under ``jax.vmap`` (``spmd_axis_name=fast``: chunk ``c`` on device ``c``),
+    ``losses`` (and ``aux``) have the chunk axis leading, and ``grads`` (like
+    ``params``) is the gradient of the chunks' mean loss: the host's mean
+    gradient, as the replicated 2-D layout's fast-axis mean gives it, laid out
+    by ``grad_specs`` (a tree of ``PartitionSpec`` like ``params``) when given.  Traced
+    under :func:`compjax.collectives.uncounted`: the gathers and gradient
+    reductions XLA inserts for it run inside the host and carry no payload.
+    """
+    def mean_loss(params, chunks, *keys):
+        out = jax.vmap(lambda b, *k: loss_fn(params, b, *k))(chunks, *keys)
+        losses, aux = out if has_aux else (out, None)
+        return jnp.mean(losses), (losses, aux)
+
+    def fn(params, chunks, *keys):
+        with collectives.uncounted():
+            grads, (losses, aux) = jax.grad(mean_loss, has_aux=True)(params, chunks, *keys)
+            if grad_specs is not None:
+                grads = jax.tree.map(lambda s, g: constrain(g, s), grad_specs, grads, is_leaf=_is_spec)
+        return (losses, aux), grads
+
+    return fn
+
+
 def place_key(key: Any, mesh: Mesh) -> Any:
     """A step's key argument checked and placed whole on every device (``P()``).
 

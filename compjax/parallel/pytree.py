@@ -23,11 +23,12 @@ from jax.sharding import PartitionSpec as P
 from compjax import collectives, layout
 from compjax.compressors import clip
 from compjax.parallel.core import (
+    build_sharded_step,
     build_step,
     check_flags,
-    gather_whole,
-    host_mean,
     keyed,
+    on_shards,
+    per_device_value_and_grad,
     per_tree,
     warn_no_exchange,
 )
@@ -174,24 +175,25 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
                               state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
                               is_leaf=lambda x: isinstance(x, P))
         per_device = P((axis_name, fast))
-        size = mesh.shape[fast]
+        own_specs = jax.tree.unflatten(treedef, [P() if s is None else s for s in leaf_specs])
+        state_own = jax.tree.map(lambda s: P(*tuple(s)[1:]), sspecs, is_leaf=lambda x: isinstance(x, P))
+        value_and_grad = per_device_value_and_grad(loss_fn, fast, has_aux, own_specs)
 
-        def whole(ps):  # the forward pass's parameters, gathered inside the host
-            return jax.tree.unflatten(treedef, gather_whole(jax.tree.leaves(ps), dims, fast))
-
-        def body(params, opt_state, batch, *key):  # this device's shards, its key folded over both axes
-            out, grads = jax.value_and_grad(lambda ps, *a: loss_fn(whole(ps), *a), has_aux=has_aux)(params, batch,
-                                                                                                     *key)
-            loss, aux = out if has_aux else (out, None)
-            grads = jax.tree.unflatten(treedef, host_mean(jax.tree.leaves(grads), size))
+        def update(params, opt_state, grads):  # this device's shards (and whole leaves)
             with layout.fast_layout(fast, grads, dims):
                 updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            return optax.apply_updates(params, updates), opt_state
+
+        def body(params, opt_state, chunks, *keys):  # one worker's logical arrays, sharded over the fast axis
+            (loss, aux), grads = value_and_grad(params, chunks, *keys)
+            params, opt_state = on_shards(update, fast, (own_specs, state_own, own_specs),
+                                          (own_specs, state_own))(params, opt_state, grads)
             return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
         out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
-        return build_step(body, mesh, (axis_name, fast), "ssbk" if rng else "ssb",
-                          in_specs=(pspecs, sspecs, None, None)[: 4 if rng else 3], out_specs=out_specs, donate=donate)
+        return build_sharded_step(body, mesh, axis_name, fast, "ssbk" if rng else "ssb",
+                                  in_specs=(pspecs, sspecs, None, None)[: 4 if rng else 3], out_specs=out_specs,
+                                  donate=donate)
 
     get, cache_size = per_tree(build)
 
