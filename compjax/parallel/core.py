@@ -207,9 +207,8 @@ def build_sharded_step(
         if kind == "b":
             return jax.tree.map(lambda x: constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), P(fast)), a)
         if kind == "k":
-            first = collectives.worker_index(worker_axis) * size
-            return jax.tree.map(
-                lambda k: jax.vmap(lambda c: jax.random.fold_in(k, first + c))(jnp.arange(size, dtype=jnp.int32)), a)
+            index = chunk_indices(worker_axis, size)
+            return jax.tree.map(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(index), a)
         return a
 
     def is_per_device(spec: P) -> bool:
@@ -233,6 +232,17 @@ def build_sharded_step(
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=_is_spec)
     return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
+
+
+def chunk_indices(worker_axis: str, size: int) -> jax.Array:
+    """The device indices of a worker's ``size`` chunks, ``w * size + c`` (int32, shape ``(size,)``).
+
+    Worker ``w`` is this worker's index on ``worker_axis``; chunk ``c`` is the
+    part of its batch that device ``c`` of its host holds
+    (:func:`build_sharded_step`): the index that device has over both axes
+    of a 2-D mesh, which its key is folded with.
+    """
+    return collectives.worker_index(worker_axis) * size + jnp.arange(size, dtype=jnp.int32)
 
 
 def constrain(x: Any, spec: P) -> Any:

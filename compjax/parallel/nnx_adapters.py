@@ -21,15 +21,19 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from compjax import layout, workers
+from compjax import collectives, layout, workers
 from compjax.compressors import clip
 from compjax.parallel.core import (
+    build_sharded_step,
     build_step,
     check_donatable,
     check_flags,
+    chunk_indices,
+    constrain,
     gather_whole,
     host_mean,
     load_nnx,
+    on_shards,
     per_tree,
     warn_no_exchange,
 )
@@ -331,6 +335,9 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                 raise ValueError(f"model{jax.tree_util.keystr(path)} is sharded but not optimized (wrt): only the "
                                  "optimized parameters may be sharded; give its spec as None (whole)")
 
+        if any(d is not None for d in pdims):
+            return sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims)
+
         def body(pl, rl, ol, batch):  # this device's leaves (build_step slices them)
             optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
 
@@ -364,6 +371,53 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
         out_specs = (pspecs, rspecs, ospecs, P(devices)) + ((P(devices),) if has_aux else ())
         return build_step(body, mesh, devices, "sssb", in_specs=(pspecs, rspecs, ospecs, None), out_specs=out_specs,
                           donate=donate)
+
+    def sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims):
+        """The step over parameters sharded over ``fast_axis``: the loss on each worker's logical arrays."""
+        ptree, rtree, otree = trees
+        own = [P(*tuple(s)[1:]) for s in pspecs]
+        oown = [P(*tuple(s)[1:]) for s in ospecs]
+
+        def update(pl, ol, grads):  # this device's shards (and whole leaves)
+            optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
+            params = nnx.as_pure(jax.tree.unflatten(ptree, pl))
+            grads = jax.tree.unflatten(jax.tree.structure(params), grads)
+            with layout.fast_layout(fast_axis, grads, pdims):
+                updates, new_opt = optimizer.tx.update(grads, nnx.as_pure(optimizer.opt_state), params)
+            params = optax.apply_updates(params, updates)
+            nnx.update(optimizer.opt_state, nnx.state(new_opt))
+            optimizer.step[...] += 1
+            return jax.tree.leaves(params), jax.tree.leaves(nnx.split(optimizer)[1])
+
+        def body(pl, rl, ol, chunks):  # one worker's logical arrays; its batch in one chunk per device
+            def chunk_loss(params, batch, index):  # one device's chunk: its own model, its streams folded
+                model = nnx.merge(mdef, jax.tree.unflatten(ptree, params), jax.tree.unflatten(rtree, rl))
+                saved = jax.tree.map(lambda k: k, nnx.state(model, nnx.RngKey)) if worker_rngs else None
+                if saved is not None and jax.tree.leaves(saved):
+                    nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, index), saved))
+                out = loss_fn(model, batch)
+                if saved is not None and jax.tree.leaves(saved):
+                    nnx.update(model, saved)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, jax.tree.leaves(nnx.split(model, wrt, ...)[2]))
+
+            def mean_loss(params):
+                losses, (aux, rest) = jax.vmap(chunk_loss, in_axes=(None, 0, 0))(params, chunks,
+                                                                                  chunk_indices(axis_name, size))
+                return jnp.mean(losses), (losses, aux, rest)
+
+            with collectives.uncounted():  # XLA's gathers and gradient reductions inside the host
+                grads, (losses, aux, rest) = jax.grad(mean_loss, has_aux=True)(pl)
+                grads = [constrain(g, s) for g, s in zip(grads, own)]
+            # batch statistics: the host's mean over its devices' chunks; other Variables (counters) as chunk 0's
+            rest = [jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[0]
+                    for x in rest]
+            pl, ol = on_shards(update, fast_axis, (own, oown, own), (own, oown))(pl, ol, grads)
+            return (pl, rest, ol, losses) + ((aux,) if has_aux else ())
+
+        out_specs = (pspecs, rspecs, ospecs, P(devices)) + ((P(devices),) if has_aux else ())
+        return build_sharded_step(body, mesh, axis_name, fast_axis, "sssb", in_specs=(pspecs, rspecs, ospecs, None),
+                                  out_specs=out_specs, donate=donate)
 
     get, cache_size = per_tree(build)
     checked: set = set()
