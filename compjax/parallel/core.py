@@ -1,4 +1,4 @@
-"""The one step core every data-parallel step builder shares: ``jax.jit`` of ``jax.shard_map`` over the worker layout.
+"""The step cores every data-parallel step builder shares: ``jax.jit`` of ``jax.shard_map`` over the worker layout.
 
 :func:`build_step` turns a function of one worker's values into the jitted
 step over the worker-stacked layout (:mod:`compjax.parallel.placement`).  Each
@@ -21,6 +21,13 @@ layout's own placement gives (``replicate``), so the second call hits the
 compilation cache and the outputs can be fed back.  :func:`keyed` checks and
 places a step's key; :func:`check_donatable` guards donation (XLA:CPU crashes
 on arrays donated twice rather than raising).
+
+:func:`build_sharded_step` is the sharded (FSDP) layout's core: a
+``shard_map`` manual over the slow axis only, whose body runs on each
+worker's logical arrays (sharded over the fast axis, gathered by XLA where
+they are used), with :func:`on_shards` for the part that works on each
+device's shards and :func:`per_device_value_and_grad` for the loss of each
+device's chunk of the batch.
 
 The step builders on top: :func:`compjax.parallel.data_parallel_step` (pytrees,
 1-D and 2-D, whole or sharded parameters), :func:`compjax.parallel.worker_step`
@@ -212,7 +219,7 @@ def build_sharded_step(
         return a
 
     def is_per_device(spec: P) -> bool:
-        first = tuple(spec)[0] if len(spec) else None
+        first = next(iter(spec), None)
         return isinstance(first, tuple) and tuple(first) == per_device
 
     def per_worker(consts: tuple, *mapped: Any) -> Any:

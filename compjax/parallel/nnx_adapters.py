@@ -6,7 +6,8 @@ copy back as a regular object, and :func:`nnx_data_parallel_step` builds the
 step for a model and an ``nnx.Optimizer``: on a 1-D mesh it is
 :func:`compjax.parallel.worker_step` over the usual NNX step; on a 2-D mesh
 (``fast_axis=``) its own body, on parameters whole or sharded over the fast
-axis, through the same step core (:func:`compjax.parallel.core.build_step`).
+axis, through the same step cores (:func:`compjax.parallel.core.build_step`;
+:func:`compjax.parallel.core.build_sharded_step` for sharded parameters).
 """
 
 from __future__ import annotations
@@ -223,15 +224,18 @@ def nnx_data_parallel_step(
         use the same name.
       fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None.
         Then model and optimizer come from :func:`nnx_replicate` over
-        ``axis_name`` (the slow axis), with or without ``specs=``: each step
-        all-gathers sharded parameters over the fast axis for ``loss_fn``
-        (inside the host), each fast device takes its own slice of the batch,
-        the gradient is the host's mean (a reduce-scatter for sharded
-        parameters, an all-reduce for whole ones), and the optimizer updates
-        each device's shard; its compressor sees whole layers, as in
-        :func:`data_parallel_step` with ``specs``.  Non-optimized floating
-        Variables (batch statistics) are averaged over the fast axis and must
-        be held whole.
+        ``axis_name`` (the slow axis), with or without ``specs=``: each fast
+        device takes its own slice of the batch and the gradient is the host's
+        mean.  With parameters whole, each device runs ``loss_fn`` on its slice
+        and the gradients are averaged over the fast axis.  With sharded
+        parameters, as in :func:`data_parallel_step` with ``specs``,
+        ``loss_fn`` runs on each worker's logical parameters under
+        ``jax.vmap`` over the devices' slices: XLA gathers each parameter where
+        the model uses it (one layer at a time for blocks under
+        ``jax.lax.scan``) and reduces its gradient to shards, and the optimizer
+        updates each device's shard, its compressor working on the shards.
+        Non-optimized floating Variables (batch statistics) are averaged over
+        the fast axis and must be held whole.
       has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
       worker_rngs: fold the worker index into the model's RNG streams for the
         step (False: every worker draws the same numbers).
@@ -299,7 +303,10 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
 
     The layout is read from the arrays (:func:`nnx_replicate` placed them): a
     model parameter whose sharding names ``fast_axis`` after the worker axis
-    is a shard along that dimension.  Compiled once per graph structure,
+    is a shard along that dimension.  With any parameter sharded the step is
+    :func:`compjax.parallel.core.build_sharded_step`'s (the loss on logical
+    arrays, XLA's gathers per use), else :func:`compjax.parallel.core.build_step`'s
+    over every device.  Compiled once per graph structure,
     shapes and shardings.
     """
     nnx = load_nnx()

@@ -3,9 +3,11 @@
 Three layouts, one step core (:func:`compjax.parallel.core.build_step`): a 1-D
 worker mesh; a 2-D mesh with every device a worker (``fast_axis=``, gradients
 averaged densely over the fast axis before the compressor); and sharded
-parameters (``specs=``, FSDP: gathered over the fast axis for the forward
-pass, the gradient reduce-scattered, the compressors on shards that see whole
-layers through :mod:`compjax.layout`).
+parameters (``specs=``, FSDP, :func:`compjax.parallel.core.build_sharded_step`:
+the loss runs on each worker's logical arrays and XLA gathers each parameter
+over the fast axis where it is used, one layer at a time for blocks under
+``jax.lax.scan``, and reduces its gradient back to shards; the compressors
+work on the shards through :mod:`compjax.layout`).
 """
 
 from __future__ import annotations
@@ -70,12 +72,22 @@ def data_parallel_step(
     With ``specs`` (sharded parameters, FSDP), parameters and state are laid
     out by :func:`replicate` / :func:`init_worker_state` with the same
     ``specs``: the worker axis runs over ``axis_name`` only and each device
-    holds a shard.  Each step all-gathers the parameters over the fast axis for
-    ``loss_fn`` (inside the host), takes the gradient with respect to the
-    shards (a reduce-scatter: the fast-axis sum, divided by its size: the
-    host's mean gradient, as in the replicated layout), and ``tx`` updates each
-    device's shard; its compressors see whole layers (:mod:`compjax.layout`),
-    so the numbers equal the replicated 2-D layout's.
+    holds a shard.  ``loss_fn`` and its gradient run on each worker's logical
+    parameters, which stay sharded over the fast axis: XLA's SPMD partitioner
+    gathers each parameter inside the host where the loss uses it (for blocks
+    under ``jax.lax.scan`` over stacked layer parameters, one layer at a time
+    inside the loop; never the whole model up front) and reduces its gradient
+    back to the device's shard.  The worker's batch is cut into one chunk per
+    fast device (the rows that device holds) and ``loss_fn`` runs on each chunk
+    under ``jax.vmap`` (with ``rng``, on the key that device folds): the
+    gradient is that of the chunks' mean loss, the host's mean gradient as in
+    the replicated layout.  ``tx`` then updates each device's shard (a
+    ``shard_map`` over the fast axis); its compressors work on the shards and
+    see whole layers through :mod:`compjax.layout`, so the numbers equal the
+    replicated 2-D layout's (to rounding).  The collectives inside the host that
+    XLA inserts for the loss read ``compjax-uncounted`` in
+    :func:`compjax.audit_collectives` (they carry no payload); ``loss_fn``
+    cannot itself issue collectives over the fast axis.
 
     A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
     is :func:`worker_step` over it.
