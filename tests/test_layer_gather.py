@@ -65,3 +65,15 @@ def test_a_scanned_model_is_gathered_one_layer_at_a_time_and_sends_its_payload(r
     assert not too_big, f"all-gathers over the fast axis larger than one layer ({layer} B): {too_big}"
     sent = int(cj.payload_bytes(ss)[0])
     assert sent > 0 and cj.worker_bytes(ops, mesh) == sent
+
+
+def test_a_batch_the_fast_axis_does_not_divide_per_worker_is_refused_by_name():
+    """Each fast device's chunk of a worker's rows must be whole: 12 rows over 2 workers leave 6, not a multiple of 4."""
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    init = {"w": jnp.ones((IN, OUT))}
+    specs = parallel.fsdp_specs(init, mesh, min_size=1)
+    tx = optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1))
+    p, s = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
+    step = parallel.data_parallel_step(lambda q, b: jnp.mean(b @ q["w"]), tx, mesh, specs=specs)
+    with pytest.raises(ValueError, match=r"6 rows per worker, not divisible by the 4 devices.*fast_axis='fast'"):
+        step(p, s, parallel.shard_batch(np.ones((12, IN), np.float32), mesh))

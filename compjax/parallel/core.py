@@ -188,7 +188,9 @@ def build_sharded_step(
       The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
 
     Raises:
-      ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length than ``kinds``.
+      ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length
+        than ``kinds``; when traced, a batch whose rows per worker the fast
+        axis size does not divide.
     """
     kinds = tuple(kinds)
     if not set(kinds) <= KINDS:
@@ -212,11 +214,18 @@ def build_sharded_step(
             return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: constrain(x[0], own(s)), sub), spec, a,
                                 is_leaf=_is_spec)
         if kind == "b":
-            return jax.tree.map(lambda x: constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), P(fast)), a)
+            return jax.tree.map(chunks, a)
         if kind == "k":
             index = chunk_indices(worker_axis, size)
             return jax.tree.map(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(index), a)
         return a
+
+    def chunks(x: Any) -> Any:  # one worker's rows (sharded over fast) as (fast, rows / fast, ...)
+        if x.shape[0] % size:
+            raise ValueError(f"a batch leaf has {x.shape[0]} rows per worker, not divisible by the {size} devices "
+                             f"of the fast axis {fast!r}: put the batch on the mesh with "
+                             f"parallel.shard_batch(batch, mesh, fast_axis={fast!r})")
+        return constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), P(fast))
 
     def is_per_device(spec: P) -> bool:
         first = next(iter(spec), None)
