@@ -23,12 +23,14 @@ axis and leaves only the slow axis to the compressor.
 Sharded parameters (FSDP, ``specs=``): on a 2-D mesh the worker axis runs over
 the slow axis only and every large leaf of the parameters, optimizer state and
 compressor state is sharded over the fast axis inside it
-(``P(axis_name, *spec)``; :func:`fsdp_specs` gives a default rule).  The step
-all-gathers the parameters over the fast axis for the forward pass; the gradient
-through that gather is a reduce-scatter (a sum over the fast axis, divided by its
-size), each device updates its own shard, and the compressors see whole layers
-(:mod:`compjax.layout`): the numbers are those of the replicated layout, with
-``1/fast`` of the state on each device.
+(``P(axis_name, *spec)``; :func:`fsdp_specs` gives a default rule).  The loss
+runs on each worker's logical parameters, sharded over the fast axis: XLA gathers
+each parameter inside the host where it is used (one layer at a time under
+``jax.lax.scan``) and reduces its gradient back to shards; the optimizer and the
+compressors then run on each device's shards (:mod:`compjax.layout`), reducing
+only per-layer statistics or per-shard candidates over the fast axis.  The
+numbers are those of the replicated layout, with ``1/fast`` of the state on each
+device.
 
 Several processes (``jax.distributed``): every function here takes global
 arrays spanning all processes' devices; host values (parameters, a global batch)
