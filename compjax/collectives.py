@@ -45,6 +45,18 @@ of a layer (or the codes of it) is already its part of the host's payload:
 send it as it is, and a compressor working on shards reduces its per-layer
 statistics with :func:`sum_over_fast`, :func:`max_over_fast` and
 :func:`gather_over_fast` (inside the host, uncounted).
+
+**Automatic axes.**  Under a ``jax.shard_map`` manual over the worker axis
+only (``axis_names={axis_name}``: :func:`compjax.parallel.worker_step` on a
+``slow x fast`` mesh, a user's step over parameters sharded by their own
+annotations), the other mesh axes are automatic: XLA partitions the step
+inside each worker, and a payload computed there is held whole by each of
+the worker's devices.  Each device then sends only its own part of the flat
+payload (padded to a multiple of the worker's devices; a slice inside a
+``jax.shard_map`` manual over those axes), and the parts of the result are
+all-gathered back inside the worker (:func:`uncounted`): the same
+``payload_bytes`` as above, the bytes one worker puts on the link between
+workers, each device's 4-byte vote included.
 """
 
 from __future__ import annotations
@@ -191,6 +203,67 @@ def _join(piece: jnp.ndarray, like: jnp.ndarray, fast: str) -> jnp.ndarray:
     whole = jnp.moveaxis(whole, 0, -2)  # (..., fast, per): the flat payload in order
     whole = whole.reshape(whole.shape[:-2] + (-1,))[..., : int(like.size)]
     return whole.reshape(whole.shape[:-1] + like.shape)
+
+
+def _auto_axes(axis_name: AxisName) -> tuple:
+    """The automatic mesh axes (of more than one device) over which a worker-axis payload is spread.
+
+    Under a ``jax.shard_map`` manual over the worker axis only (``axis_names=
+    {axis_name}``, :func:`compjax.parallel.worker_step` on a ``slow x fast``
+    mesh), the other mesh axes are left to XLA's sharding propagation: a
+    payload computed there is held whole by every device of the worker, and
+    each would send all of it.  Empty outside such a region, without an axis,
+    and in a two-level step of :mod:`compjax.parallel` (there :func:`_host_axis`
+    splits the payload over the manual fast axis).
+    """
+    if axis_name is None or layout.current() is not None:
+        return ()
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = set(mesh.manual_axes)
+    if not manual or not set(names) <= manual:
+        return ()
+    return tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)
+
+
+def _over_parts(collective: Callable, x: jnp.ndarray, auto: tuple) -> tuple[jnp.ndarray, jax.ShapeDtypeStruct]:
+    """``collective`` over the worker axis on each device's disjoint part of the flat ``x``, the parts joined.
+
+    ``x`` is raveled, zero-padded to a multiple of the devices of the
+    automatic axes ``auto`` (:func:`_auto_axes`); inside a ``jax.shard_map``
+    manual over ``auto``, each device of the worker (all of which hold the
+    whole payload) slices out its own part (a slice, not a sharding
+    constraint: XLA's propagation is left alone) and puts only that part into
+    ``collective`` (``part -> (per,)`` for a reduction, ``-> (n, per)`` for
+    an all-gather), so the worker's devices together send the payload once.  The parts of the result are then
+    all-gathered over ``auto`` (inside the worker, :func:`uncounted`), so
+    every device of the worker holds the whole result, and trimmed.
+
+    Returns:
+      ``(result, payload)``: the result shaped like ``x`` (``(n, *x.shape)``
+      for an all-gather), and the shape and dtype of the flat padded payload
+      (the worker's, all its devices' parts together).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    flat = jnp.ravel(x)
+    f = 1
+    for a in auto:
+        f *= int(mesh.shape[a])
+    per = -(-int(flat.size) // f)
+    flat = jnp.pad(flat, (0, per * f - int(flat.size)))
+
+    def on_part(whole):  # every device holds the whole payload: it takes its part, no data moves
+        start = jax.lax.axis_index(auto).astype(jnp.int32) * per
+        y = collective(jax.lax.dynamic_slice_in_dim(whole, start, per))
+        with uncounted():  # the worker's parts of the result, joined inside the worker
+            return _all_gather(y, auto, axis=y.ndim - 1, tiled=True, to="invarying")
+
+    none = jax.sharding.PartitionSpec()
+    y = jax.shard_map(on_part, mesh=mesh, in_specs=none, out_specs=none, axis_names=set(auto))(flat)
+    y = y[..., : int(x.size)]
+    return y.reshape(y.shape[:-1] + x.shape), jax.ShapeDtypeStruct(flat.shape, flat.dtype)
 
 
 def reduce_bytes(x: jnp.ndarray) -> int:
@@ -354,7 +427,8 @@ def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarra
 
     Returns:
       ``(any, payload_bytes)``: a boolean scalar, the same on every worker, and 4
-      (0 without an axis).
+      per device of the worker (4 on a 1-D mesh; ``4 * fast`` on a two-level
+      mesh, fast axis manual or automatic), 0 without an axis.
     """
     if axis_name is None:
         return flag, 0
@@ -362,7 +436,11 @@ def any_over_workers(flag: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarra
     with _scope("vote"):
         total = jax.lax.pmax(vote, axis_name)
     fast = _host_axis(axis_name)
-    return total > 0, _nbytes(vote) * (int(jax.lax.axis_size(fast)) if fast else 1)
+    devices = int(jax.lax.axis_size(fast)) if fast else 1
+    mesh = jax.sharding.get_abstract_mesh()
+    for a in _auto_axes(axis_name):  # every device of the worker votes (4 bytes each)
+        devices *= int(mesh.shape[a])
+    return total > 0, _nbytes(vote) * devices
 
 
 def any_over_fast(flag: jnp.ndarray) -> jnp.ndarray:
@@ -476,6 +554,11 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
             piece = jax.lax.psum(piece, axis_name)
         total = _join(piece, x, fast)
         return (total if prescale else total / n), f * reduce_bytes(piece)
+    auto = _auto_axes(axis_name)
+    if auto:  # each device of the worker reduces its own part of the payload
+        with _scope("dense_mean"):
+            total, sent = _over_parts(lambda p: jax.lax.psum(p, axis_name), x, auto)
+        return (total if prescale else total / n), reduce_bytes(sent)
     with _scope("dense_mean"):
         total = jax.lax.psum(x, axis_name)
     return (total if prescale else total / n), reduce_bytes(x)
@@ -664,6 +747,10 @@ def _gather_workers(arrays: Sequence[jnp.ndarray], axis_name: AxisName) -> tuple
     each array and the host's pieces are all-gathered back over the fast axis.
     """
     fast = _host_axis(axis_name)
+    auto = _auto_axes(axis_name)
+    if auto:  # each device of the worker sends its own part of each array
+        done = [_over_parts(lambda p: _all_gather(p, axis_name), a, auto) for a in arrays]
+        return [y for y, _ in done], sum(_nbytes(sent) for _, sent in done)
     if fast is None:
         return [_all_gather(a, axis_name) for a in arrays], sum(_nbytes(a) for a in arrays)
     out, nbytes = [], 0
@@ -765,5 +852,10 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
         with _scope("max"):
             piece = jax.lax.pmax(piece, axis_name)
         return _join(piece, x, fast), f * reduce_bytes(piece)
+    auto = _auto_axes(axis_name)
+    if auto:
+        with _scope("max"):
+            total, sent = _over_parts(lambda p: jax.lax.pmax(p, axis_name), x, auto)
+        return total, reduce_bytes(sent)
     with _scope("max"):
         return jax.lax.pmax(x, axis_name), reduce_bytes(x)
