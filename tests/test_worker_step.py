@@ -258,28 +258,28 @@ def regression_batch(rows=16, seed=0):
     return rng.normal(size=(rows, 16)).astype(np.float32), rng.normal(size=(rows, 4)).astype(np.float32)
 
 
-def test_worker_step_refuses_a_2d_mesh_and_2d_layouts_naming_the_path():
-    """A 2-D mesh, or a state laid out for one (fast_axis=, specs=, nnx_replicate(specs=)), would run as the slow
-    axis alone (and drop the sharding after one step): refused, the message naming the 1-D rule and the builders
-    that take those layouts, not blaming the layout."""
+def test_worker_step_refuses_layouts_of_another_step_naming_the_path():
+    """A state laid out for a 2-D mesh (fast_axis=, specs=, nnx_replicate(specs=)) given to a step built on the
+    1-D mesh, or one worker per device (fast_axis=) given to a step on the 2-D mesh, would run another layout
+    (or drop the sharding after one step): refused, naming the leaf and the builders that take it. A 2-D mesh
+    itself is taken (tests/test_user_step_2d.py)."""
     mesh2, mesh1 = parallel.make_2d_mesh(2, 4), parallel.make_mesh()
     tx = optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"1-D worker mesh only.*\{'fast': 4\}.*data_parallel_step\(.*specs=.*"
-                                         r"nnx_data_parallel_step\(loss_fn, mesh, fast_axis="):
-        parallel.worker_step(sgd_step(tx), mesh2)
-    with pytest.raises(ValueError, match=r"1-D worker mesh only.*nnx_data_parallel_step\(loss_fn, mesh, fast_axis="):
-        parallel.nnx_data_parallel_step(lambda m, b: jnp.mean(m(b[0]) ** 2), mesh2)  # fast_axis forgotten
-
     w = jnp.ones((4, 3))
+    batch = (jnp.ones((16, 4)), jnp.ones((16, 3)))
     step = parallel.worker_step(sgd_step(tx), mesh1)
     stacked = parallel.replicate(w, mesh2, fast_axis="fast")  # 8 workers over both axes
-    with pytest.raises(ValueError, match=r"argument 0 is laid out .*'data', 'fast'.*1-D worker mesh only.*"
+    with pytest.raises(ValueError, match=r"argument 0 is laid out .*'data', 'fast'.*worker axis 'data' alone.*"
                                          r"data_parallel_step\(loss_fn, tx, mesh, fast_axis=\.\.\., specs=\.\.\.\)"):
-        step(stacked, parallel.init_worker_state(tx, w, mesh1), (jnp.ones((16, 4)), jnp.ones((16, 3))))
+        step(stacked, parallel.init_worker_state(tx, w, mesh1), batch)
+    with pytest.raises(ValueError, match=r"argument 0 is laid out .*several mesh axes.*\('fast',\).*specs=.*"
+                                         r"data_parallel_step\(loss_fn, tx, mesh, fast_axis=\.\.\.\)"):
+        parallel.worker_step(sgd_step(tx), mesh2)(stacked, parallel.init_worker_state(tx, w, mesh2), batch)
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1)), wrt=nnx.Param)
     parallel.nnx_replicate(mesh2, model, optimizer, specs=parallel.fsdp_specs(nnx.state(model), mesh2, min_size=256))
-    with pytest.raises(ValueError, match=r"argument 0\['l1'\]\['kernel'\].* laid out .*'fast'.*1-D worker mesh only.*"
+    with pytest.raises(ValueError, match=r"argument 0\['l1'\]\['kernel'\].* laid out .*'fast'.*worker axis 'data' "
+                                         r"alone.*Build worker_step on the 2-D mesh.*"
                                          r"nnx_data_parallel_step\(loss_fn, mesh, fast_axis=\.\.\.\)"):
         parallel.worker_step(nnx_train_step, mesh1)(model, optimizer, regression_batch())
 

@@ -4,14 +4,17 @@ The step's arguments are sorted by kind (worker-stacked pytrees and NNX
 objects, batches, keys) and handed to the step core
 (:func:`compjax.parallel.core.build_step`); NNX objects are split into a
 static graph and worker-stacked state, merged back inside each worker and
-updated in place after the step.
+updated in place after the step.  On a mesh with axes besides the worker
+axis (a ``slow x fast`` mesh, parameters sharded by their own annotations)
+the step runs manual over the worker axis only and XLA partitions each
+worker's step over the other axes (:func:`_host_step`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -46,6 +49,57 @@ def _beyond_worker_axis(x: Any, axis_name: str) -> bool:
         return False
     first, *rest = tuple(spec)
     return (isinstance(first, tuple) and len(first) > 1) or any(e is not None for e in rest)
+
+
+def _axes_of(entry: Any) -> tuple:
+    """The mesh axes of one ``PartitionSpec`` entry (None, a name or a tuple of names)."""
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _own_spec(x: Any, mesh: Mesh) -> tuple:
+    """The spec entries of a worker-stacked leaf's own dimensions (after the worker axis, trailing Nones
+    dropped), read from its ``NamedSharding`` on ``mesh`` (an array placed elsewhere, or not an array: held
+    whole, ``()``)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+        return ()
+    rest = list(tuple(sharding.spec)[1:])
+    while rest and rest[-1] is None:
+        rest.pop()
+    return tuple(rest)
+
+
+def _trimmed(x: Any, mesh: Mesh) -> Any:
+    """``x`` with its spec's trailing Nones dropped (``P('data', 'fast', None)`` -> ``P('data', 'fast')``).
+
+    The same layout and the same buffers (no copy), under the spec XLA gives
+    the step's outputs: the outputs fed back then hit the compilation cache.
+    """
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+        return x
+    spec = tuple(sharding.spec)
+    if not spec or spec[-1] is not None:
+        return x
+    keep = len(spec)
+    while keep and spec[keep - 1] is None:
+        keep -= 1
+    return jax.device_put(x, NamedSharding(mesh, P(*spec[:keep])))
+
+
+def _misplaced(x: Any, mesh: Mesh, axis_name: str) -> str | None:
+    """Why a worker-stacked leaf cannot run on ``mesh``'s worker axis ``axis_name`` with the other axes
+    automatic (None: it can): its worker axis over several mesh axes (one worker per device), or a
+    dimension of its own sharded over ``axis_name``."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+        return None
+    spec = tuple(sharding.spec)
+    if spec and len(_axes_of(spec[0])) > 1:
+        return "its worker axis runs over several mesh axes (one worker per device, replicate(..., fast_axis=...))"
+    if any(axis_name in _axes_of(e) for e in spec[1:]):
+        return f"a dimension of its own is sharded over the worker axis {axis_name!r}"
+    return None
 
 
 def worker_step(
@@ -115,11 +169,28 @@ def worker_step(
         step's own) warns at its first call, naming the fix: each worker would
         train its own model.
 
-    ``worker_step`` runs on a 1-D worker mesh (:func:`make_mesh`), one worker
-    per device.  A 2-D mesh or a state laid out for one (``replicate(...,
-    fast_axis=...)``, ``specs=``, ``nnx_replicate(..., specs=...)``) is refused:
-    those layouts take :func:`data_parallel_step` (``fast_axis=``, ``specs=``)
-    or :func:`nnx_data_parallel_step` (``fast_axis=``).
+    **Meshes.**  On a 1-D worker mesh (:func:`make_mesh`) every device is a
+    worker.  On a mesh with other axes (``slow x fast``,
+    :func:`make_2d_mesh`) every index of ``axis_name`` is a worker (a host)
+    and the other axes are left to XLA inside it: the step runs under a
+    ``jax.shard_map`` manual over ``axis_name`` only, each worker-stacked
+    array keeps its own sharding over the other axes (parameters annotated
+    with ``nnx.with_partitioning`` / ``nn.with_partitioning`` and placed by
+    :func:`replicate` / :func:`nnx_replicate` with ``specs=``, e.g.
+    ``nnx.get_partition_spec(nnx.state(model))``; a leaf placed ``P(axis_name)``
+    is held whole by every device of its worker), and XLA's sharding
+    propagation gathers parameters where ``fn`` uses them, inside the host.
+    ``fn`` is the same single-device step.  What crosses between workers is
+    the collectives of compjax's compressors and algorithms over
+    ``axis_name`` alone, each device of a worker sending its own part of the
+    payload (:mod:`compjax.collectives`), so summed over a host they carry
+    exactly ``payload_bytes``.  A batch is split over the workers and, where
+    its rows divide by all the devices, over every device
+    (``P((axis_name, *others))``).  What ``fn`` returns with the structure and
+    shapes of a worker-stacked argument (a new ``TrainState``, new
+    parameters), and the NNX objects' state, keeps the arguments' shardings;
+    the rest is laid out by XLA.  The numbers are those of
+    :func:`data_parallel_step` with the same ``specs``.
 
     Returns:
       ``step(*args)`` with ``fn``'s arguments in the worker-stacked layout,
@@ -128,13 +199,14 @@ def worker_step(
       :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a mesh with
-        another axis of more than one device (a 2-D mesh), a flag not a bool, argnums not
-        ints or overlapping, an ``average`` entry neither a name nor an NNX
-        Variable type; when called, an argnum out of range, an NNX object or a
-        non-key at a batch or key position (or no argument left for the
-        default batch), an argument laid out for a 2-D mesh or sharded
-        (``fast_axis=`` / ``specs=``), a batch not divisible by ``n``, a
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a flag not
+        a bool, argnums not ints or overlapping, an ``average`` entry neither a
+        name nor an NNX Variable type; when called, an argnum out of range, an
+        NNX object or a non-key at a batch or key position (or no argument left
+        for the default batch), an argument laid out for another layout (on a
+        1-D mesh: one for a 2-D mesh or sharded, ``fast_axis=`` / ``specs=``;
+        on a 2-D mesh: one worker per device, ``fast_axis=``, or a dimension
+        sharded over ``axis_name``), a batch not divisible by ``n``, a
         closed-over NNX object that ``fn`` tries to update (pass it as an
         argument), or (with ``donate``) an array already donated.
 
@@ -159,16 +231,7 @@ def worker_step(
     """
     check_axis(mesh, axis_name)
     check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
-    others = {a: s for a, s in mesh.shape.items() if a != axis_name and s > 1}
-    if others:
-        raise ValueError(
-            f"worker_step runs on a 1-D worker mesh only (axis_name={axis_name!r}, one worker per device), but the "
-            f"mesh also has {others}: it would run as {mesh.shape[axis_name]} workers with each one's devices "
-            "repeating its work. For a 2-D mesh take data_parallel_step(loss_fn, tx, mesh, fast_axis=..., specs=...) "
-            "(pytrees) or nnx_data_parallel_step(loss_fn, mesh, fast_axis=...) (NNX, with nnx_replicate(..., specs=...)"
-            " for sharded parameters); for your own step, build it on parallel.make_mesh() with the state from "
-            "parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...)"
-        )
+    others = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
     batch_nums = None if batch_argnums is None else _argnums("batch_argnums", batch_argnums)
     rng_nums = _argnums("rng_argnums", rng_argnums)
     names, types = workers.check_average(average)
@@ -221,9 +284,51 @@ def worker_step(
             gstate = nnx.state(objs)
         return gstate, out
 
-    # jitted(graphdef, kinds, gstate, stacked, batches, keys): outputs placed P(axis_name) as replicate() places
-    # them, so the second call does not compile again.
-    jitted = build_step(body, mesh, axis_name, "ccssbk", donate=donate)
+    if others:
+        # jitted(graphdef, kinds, layout, gstate, stacked, batches, keys): manual over the worker axis only, the
+        # other axes automatic; each worker's state keeps its own sharding over them (layout: see _leaf_layout).
+        jitted = _host_step(body, mesh, axis_name, donate)
+    else:
+        # jitted(graphdef, kinds, gstate, stacked, batches, keys): outputs placed P(axis_name) as replicate() places
+        # them, so the second call does not compile again.
+        jitted = build_step(body, mesh, axis_name, "ccssbk", donate=donate)
+
+    def check_layout(args, kinds, gstate, stacked):
+        """Refuse leaves laid out for another step; on a 1-D mesh any sharding beyond the worker axis."""
+        if others:
+            bad = [why for why in (_misplaced(x, mesh, axis_name) for x in jax.tree.leaves((gstate, stacked))) if why]
+        else:
+            bad = [x for x in jax.tree.leaves((gstate, stacked)) if _beyond_worker_axis(x, axis_name)]
+        if not bad:
+            return
+        for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):  # name it
+            for path, x in jax.tree_util.tree_leaves_with_path(load_nnx().state(a) if is_graph_node(a) else a):
+                where = f"argument {i}{jax.tree_util.keystr(path)}"
+                if others and (why := _misplaced(x, mesh, axis_name)):
+                    raise ValueError(
+                        f"{where} is laid out {x.sharding.spec}: {why}. worker_step on this mesh runs one worker per "
+                        f"{axis_name!r} index, the axes {others} left to XLA inside each worker: lay the state out "
+                        f"with parallel.replicate(tree, mesh, specs=...) / parallel.nnx_replicate(mesh, ..., "
+                        "specs=...) (specs over the other axes only), or train one worker per device with "
+                        "data_parallel_step(loss_fn, tx, mesh, fast_axis=...)")
+                if not others and _beyond_worker_axis(x, axis_name):
+                    raise ValueError(
+                        f"{where} is laid out {x.sharding.spec} on a mesh of axes {dict(x.sharding.mesh.shape)}: a "
+                        f"2-D or sharded layout (fast_axis= or specs=), but this step's mesh has the worker axis "
+                        f"{axis_name!r} alone. Build worker_step on the 2-D mesh the state lives on (sharded "
+                        "state: parallel.replicate(tree, mesh, specs=...) / parallel.nnx_replicate(mesh, ..., "
+                        "specs=...)), train it with data_parallel_step(loss_fn, tx, mesh, fast_axis=..., specs=...) "
+                        "(pytrees) or nnx_data_parallel_step(loss_fn, mesh, fast_axis=...) (NNX), or lay the state "
+                        "out with parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...) on the 1-D mesh")
+
+    def place_batch(a):
+        if not others:
+            return shard_batch(a, mesh, axis_name)
+        every = (axis_name, *others)
+        rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a)}
+        if all(r is not None and r % int(np.prod([mesh.shape[ax] for ax in every])) == 0 for r in rows):
+            return jax.tree.map(lambda x: put(x, NamedSharding(mesh, P(every))), a)  # each device its rows
+        return shard_batch(a, mesh, axis_name)
 
     def prepare(args):
         kinds = kinds_of(args)
@@ -243,18 +348,7 @@ def worker_step(
         graphdef, gstate = load_nnx().split(objs) if objs else (None, None)
         stacked = tuple(a for a, k in zip(args, kinds) if k == "s")
         n = mesh.shape[axis_name]
-        if any(_beyond_worker_axis(x, axis_name) for x in jax.tree.leaves((gstate, stacked))):
-            for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):  # name it
-                for path, x in jax.tree_util.tree_leaves_with_path(load_nnx().state(a) if is_graph_node(a) else a):
-                    if _beyond_worker_axis(x, axis_name):
-                        raise ValueError(
-                            f"argument {i}{jax.tree_util.keystr(path)} is laid out {x.sharding.spec} on a mesh of "
-                            f"axes {dict(x.sharding.mesh.shape)}: a 2-D or sharded layout (fast_axis= or specs=), "
-                            "but worker_step runs on a 1-D worker mesh only. Train that layout with "
-                            "data_parallel_step(loss_fn, tx, mesh, fast_axis=..., specs=...) (pytrees) or "
-                            "nnx_data_parallel_step(loss_fn, mesh, fast_axis=...) (NNX), or lay the state out with "
-                            "parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...) on the 1-D mesh"
-                        )
+        check_layout(args, kinds, gstate, stacked)
         unstacked = any(np.ndim(x) == 0 or np.shape(x)[0] != n for x in jax.tree.leaves((gstate, stacked)))
         for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if unstacked and k in "gs"):  # name it
             for path, x in jax.tree_util.tree_leaves_with_path(load_nnx().state(a) if is_graph_node(a) else a):
@@ -267,16 +361,21 @@ def worker_step(
                     )
         if donate:
             check_donatable((gstate, stacked))
-        batches = tuple(shard_batch(a, mesh, axis_name) for a, k in zip(args, kinds) if k == "b")
+        if others:
+            gstate, stacked = jax.tree.map(lambda x: _trimmed(x, mesh), (gstate, stacked))
+        batches = tuple(place_batch(a) for a, k in zip(args, kinds) if k == "b")
         keys = tuple(put(a, NamedSharding(mesh, P())) for a, k in zip(args, kinds) if k == "k")
+        if others:
+            return objs, (graphdef, kinds, _leaf_layout(gstate, stacked, mesh), gstate, stacked, batches, keys)
         return objs, (graphdef, kinds, gstate, stacked, batches, keys)
 
     checked: set = set()
+    nstatic = 3 if others else 2
 
     def warn_if_apart(jargs: tuple) -> None:
         """At the first call per structure: warn when no collective of the step crosses ``axis_name``."""
-        sig = (jargs[0], jargs[1], jax.tree.structure(jargs[2:]),
-               tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in jax.tree.leaves(jargs[2:])))
+        sig = (jargs[:nstatic], jax.tree.structure(jargs[nstatic:]),
+               tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in jax.tree.leaves(jargs[nstatic:])))
         if independent or sig in checked:
             return
         checked.add(sig)
@@ -301,3 +400,86 @@ def worker_step(
     step.lower = lambda *args: jitted.lower(*prepare(args)[1])
     step.jitted = jitted
     return step
+
+
+class _Layout(NamedTuple):
+    """The own specs of a two-level :func:`worker_step`'s state (static: the step compiles once per layout).
+
+    Attributes:
+      gstate: one spec tuple per leaf of the NNX objects' state (flatten order), ``()`` for a leaf held whole.
+      stacked: one entry per worker-stacked pytree argument: ``(treedef, shapes, specs)``, its tree
+        structure, its leaves' shapes without the worker axis and their spec tuples.
+    """
+
+    gstate: tuple
+    stacked: tuple
+
+
+def _leaf_layout(gstate: Any, stacked: tuple, mesh: Mesh) -> _Layout:
+    """The :class:`_Layout` of the step's state, read from the arrays' shardings (:func:`_own_spec`)."""
+    per_arg = []
+    for a in stacked:
+        leaves, treedef = jax.tree.flatten(a)
+        per_arg.append((treedef, tuple(tuple(np.shape(x))[1:] for x in leaves),
+                        tuple(_own_spec(x, mesh) for x in leaves)))
+    return _Layout(tuple(_own_spec(x, mesh) for x in jax.tree.leaves(gstate)), tuple(per_arg))
+
+
+def _constrain(leaves: list, specs: tuple) -> list:
+    """Each leaf (one worker's value, inside the step) held to its own spec over the automatic axes."""
+    return [jax.lax.with_sharding_constraint(x, P(*spec)) for x, spec in zip(leaves, specs)]
+
+
+def _keep_layout(out: Any, lay: _Layout) -> Any:
+    """``fn``'s outputs with the shardings of the arguments they update.
+
+    Whatever ``fn`` returns (or each element of a returned tuple or list)
+    with the tree structure and shapes of a worker-stacked argument (a new
+    ``TrainState``, new parameters) is held to that argument's specs, so the
+    step's outputs come back laid out as its inputs (the next call does not
+    compile again); the rest is left to XLA.
+    """
+    def match(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        shapes = tuple(tuple(np.shape(x)) for x in leaves)
+        for t, s, specs in lay.stacked:
+            if t == treedef and s == shapes:
+                return jax.tree.unflatten(treedef, _constrain(leaves, specs))
+        return None
+
+    whole = match(out)
+    if whole is not None:
+        return whole
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return type(out)(m if (m := match(o)) is not None else o for o in out)
+    return out
+
+
+def _host_step(body: Callable[..., Any], mesh: Mesh, axis_name: str, donate: bool) -> Any:
+    """:func:`worker_step`'s jitted function on a mesh with axes besides the worker axis.
+
+    ``jax.jit`` of a ``jax.shard_map`` manual over ``axis_name`` only
+    (``axis_names={axis_name}``): each worker's state keeps its sharding over
+    the other (automatic) axes, which XLA's sharding propagation partitions
+    inside the worker, while compjax's collectives over ``axis_name`` are the
+    only ones that cross between workers (:mod:`compjax.collectives` spreads
+    their payload over the worker's devices).  ``body`` as for
+    :func:`compjax.parallel.core.build_step`'s kinds ``"ccssbk"``; the step's
+    arguments are ``(graphdef, kinds, layout, gstate, stacked, batches, keys)``,
+    the first three static.
+    """
+    worker = P(axis_name)
+
+    def run(graphdef, kinds, lay, gstate, stacked, batches, keys):
+        def per_worker(gstate, stacked, batches, keys):
+            gstate, stacked = jax.tree.map(lambda x: x[0], (gstate, stacked))
+            keys = jax.tree.map(lambda k: workers.fold_worker(k, axis_name), keys)
+            gstate, out = body(graphdef, kinds, gstate, stacked, batches, keys)
+            leaves, treedef = jax.tree.flatten(gstate)
+            gstate = jax.tree.unflatten(treedef, _constrain(leaves, lay.gstate))
+            return jax.tree.map(lambda x: x[None], (gstate, _keep_layout(out, lay)))
+
+        return jax.shard_map(per_worker, mesh=mesh, in_specs=(worker, worker, worker, P()), out_specs=worker,
+                             axis_names={axis_name})(gstate, stacked, batches, keys)
+
+    return jax.jit(run, static_argnums=(0, 1, 2), donate_argnums=(3, 4) if donate else ())
