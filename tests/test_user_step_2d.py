@@ -332,3 +332,11 @@ def test_donation_and_a_batch_split_over_the_workers_only():
     assert first.is_deleted() and not p["w1"].is_deleted()
     assert p["w1"].sharding.spec == P(AXIS, None, "fast") and losses[-1].shape == (SLOW,)
     assert step.jitted._cache_size() == 1
+
+
+def test_explicit_fast_axes_are_refused_naming_the_mesh_to_build():
+    """Axes of type Explicit are not left to XLA's propagation (each device would send the whole payload, and
+    a step's own ops need out_sharding there): refused when built, naming make_2d_mesh."""
+    mesh = jax.make_mesh((SLOW, FAST), (AXIS, "fast"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match=r"\['fast'\] are of type Explicit.*make_2d_mesh"):
+        parallel.worker_step(user_step(optax.sgd(0.1)), mesh)

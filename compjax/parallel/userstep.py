@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import workers
@@ -170,8 +170,8 @@ def worker_step(
         train its own model.
 
     **Meshes.**  On a 1-D worker mesh (:func:`make_mesh`) every device is a
-    worker.  On a mesh with other axes (``slow x fast``,
-    :func:`make_2d_mesh`) every index of ``axis_name`` is a worker (a host)
+    worker.  On a mesh with other axes (``slow x fast``, :func:`make_2d_mesh`,
+    axes of type ``Auto``) every index of ``axis_name`` is a worker (a host)
     and the other axes are left to XLA inside it: the step runs under a
     ``jax.shard_map`` manual over ``axis_name`` only, each worker-stacked
     array keeps its own sharding over the other axes (parameters annotated
@@ -199,8 +199,8 @@ def worker_step(
       :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh``, a flag not
-        a bool, argnums not ints or overlapping, an ``average`` entry neither a
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, another
+        axis of more than one device of type ``Explicit``, a flag not a bool, argnums not ints or overlapping, an ``average`` entry neither a
         name nor an NNX Variable type; when called, an argnum out of range, an
         NNX object or a non-key at a batch or key position (or no argument left
         for the default batch), an argument laid out for another layout (on a
@@ -232,6 +232,14 @@ def worker_step(
     check_axis(mesh, axis_name)
     check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
     others = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    explicit = [a for a in others if types.get(a) == AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are of type Explicit: worker_step leaves the axes besides the worker axis "
+            f"{axis_name!r} to XLA's sharding propagation, which needs them Auto. Build the mesh with "
+            "parallel.make_2d_mesh(slow, fast), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * "
+            "ndim)")
     batch_nums = None if batch_argnums is None else _argnums("batch_argnums", batch_argnums)
     rng_nums = _argnums("rng_argnums", rng_argnums)
     names, types = workers.check_average(average)
