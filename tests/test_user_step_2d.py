@@ -127,6 +127,7 @@ WIRE_CASES = {
     "chunktopk": lambda: cj.chunktopk(8, chunk=16, axis_name=AXIS),
     "diloco_topk": lambda: cj.diloco(optax.sgd(0.1), sync_every=1, compressor=cj.topk(0.1, axis_name=AXIS),
                                      axis_name=AXIS),
+    "diloco": lambda: cj.diloco(optax.sgd(0.1), sync_every=1, axis_name=AXIS),  # dense float32 outer gradients
 }
 FAST_WIRE = ("topk", "sparseloco")
 
@@ -138,7 +139,7 @@ def test_only_the_payload_crosses_hosts_once_per_host(name):
     (the compressor's payload and the 4-byte vote of each device), every one of them compjax's: each device
     sends its own quarter, and nothing of XLA's partitioning crosses the slow axis."""
     comp = WIRE_CASES[name]()
-    tx = comp if name in ("sparseloco", "diloco_topk") else optax.chain(comp, optax.sgd(0.1))
+    tx = comp if name in ("sparseloco", "diloco_topk", "diloco") else optax.chain(comp, optax.sgd(0.1))
     mesh, compiled, (p, s, _), _ = sharded_run(tx)
     sent, crossing = cross_host(compiled, mesh)
     payload = int(cj.payload_bytes(s)[0])
