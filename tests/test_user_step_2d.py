@@ -245,6 +245,7 @@ def test_an_annotated_nnx_model_trains_as_data_parallel_step_with_specs(name):
         assert np.abs(got["l1"]["kernel"][0] - got["l1"]["kernel"][1]).max() == 0 and payload > 0
 
 
+@pytest.mark.slow  # two Linen programs and the pytree reference; the NNX test above keeps the numbers in the fast tier
 def test_an_annotated_linen_train_state_trains_as_data_parallel_step_with_specs():
     """A Linen model with nn.with_partitioning annotations and its TrainState step, laid out by the model's
     own specs (parameters and, through parallel.state_specs, the optimizer's moments and residuals): 5 steps
