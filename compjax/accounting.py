@@ -701,9 +701,24 @@ def _operand_scopes(name: str, op_name: str, n: int, dones: dict, gtes: dict) ->
 def _replica_groups(attrs: str) -> tuple | None:
     """``replica_groups`` of an HLO instruction's attribute text, as a tuple of tuples of ids.
 
-    Reads the list form ``{{0,1},{2,3}}`` and the iota form ``[G,S]<=[d0,d1,...]``
-    (optionally ``T(perm)``): ``arange(prod(d)).reshape(d).transpose(perm).reshape(G, S)``.
+    Reads the list form ``{{0,1},{2,3}}``, the iota form ``[G,S]<=[d0,d1,...]``
+    (optionally ``T(perm)``): ``arange(prod(d)).reshape(d).transpose(perm).reshape(G, S)``,
+    the mesh form ``mesh['a'=2,'b'=4] {'a'}`` (groups along the named axes, ids
+    row-major in the mesh) and a collective-permute's ``source_target_pairs``
+    (each pair a group of two).
     """
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        dims = [int(d) for _, d in names]
+        over = {a.strip().strip("'") for a in m.group(2).split(",") if a.strip()}
+        moved = [i for i, (a, _) in enumerate(names) if a in over]
+        kept = [i for i in range(len(dims)) if i not in moved]
+        ids = np.arange(math.prod(dims)).reshape(dims).transpose(kept + moved)
+        return tuple(tuple(int(v) for v in row) for row in ids.reshape(-1, math.prod(dims[i] for i in moved)))
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if m:
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) or None
     m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
     if m:
         groups = tuple(tuple(int(v) for v in g.split(",") if v.strip())

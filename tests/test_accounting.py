@@ -130,3 +130,18 @@ def test_audit_reads_operand_bytes_of_all_gather(mesh):
     x = jax.device_put(jnp.zeros((8, 5, 3)), jax.sharding.NamedSharding(mesh, P(AXIS)))
     ops = cj.audit_collectives(f, x)
     assert [(op.op, op.dtype, op.bytes) for op in ops] == [("all-gather", "f16", 5 * 3 * 2)]
+
+
+def test_collective_axes_read_permute_pairs_and_the_mesh_form_of_replica_groups():
+    """A collective-permute's source_target_pairs are its groups (a shift along the slow axis crosses only it);
+    the ``mesh[...] {axes}`` form XLA's partitioner writes reads as the groups along those axes."""
+    mesh = parallel.make_2d_mesh(2, 4)
+    shift = jax.shard_map(lambda x: jax.lax.ppermute(x, "data", [(0, 1), (1, 0)]), mesh=mesh,
+                          in_specs=jax.P("data", "fast"), out_specs=jax.P("data", "fast"))
+    ops = cj.audit_collectives(jax.jit(shift), jnp.ones((2, 4)))
+    (op,) = [o for o in ops if o.op == "collective-permute"]
+    assert sorted(op.replica_groups) == [(0, 4), (1, 5), (2, 6), (3, 7), (4, 0), (5, 1), (6, 2), (7, 3)]
+    assert accounting.collective_axes(op, mesh) == ("data",)
+    text = "all-gather(f32[4] %p), replica_groups=mesh['a'=2,'b'=1,'c'=4] {'a'}, dimensions={0}"
+    (ag,) = accounting._collectives_of_hlo(f"%ag = f32[8]{{0}} {text}\n")
+    assert ag.replica_groups == ((0, 4), (1, 5), (2, 6), (3, 7))

@@ -116,3 +116,24 @@ def test_bad_layouts_are_refused_with_the_leaf_named():
         step(model, optimizer, batches(1)[0])
     with pytest.raises(ValueError, match="fast_axis and axis_name must differ"):
         parallel.nnx_data_parallel_step(loss_fn, mesh, fast_axis="data")
+
+
+def test_without_fast_axis_a_2d_mesh_takes_the_user_step_path_with_the_same_parameters():
+    """``nnx_data_parallel_step`` on a slow x fast mesh without ``fast_axis``: worker_step's host path (the loss on
+    each worker's logical arrays, sharded over the fast axis) gives the parameters of ``fast_axis="fast"``."""
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+
+    def build(**kw):
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.chain(cj.topk(0.1, axis_name="data"), optax.sgd(0.05)), wrt=nnx.Param)
+        parallel.nnx_replicate(mesh, model, optimizer, specs=parallel.fsdp_specs(nnx.state(model), mesh, min_size=1))
+        return model, optimizer, parallel.nnx_data_parallel_step(loss_fn, mesh, **kw)
+
+    (m1, o1, s1), (m2, o2, s2) = build(), build(fast_axis="fast")
+    for batch in batches(3):
+        loss = s1(m1, o1, batch)
+        s2(m2, o2, batch)
+    assert np.asarray(loss).shape == (SLOW,)  # one loss per worker (host)
+    for a, b in zip(jax.tree.leaves(nnx.state(m1, nnx.Param)), jax.tree.leaves(nnx.state(m2, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert int(cj.payload_bytes(o1)[0]) == int(cj.payload_bytes(o2)[0]) > 0

@@ -6,7 +6,6 @@ each device of a host sending its own part of it: read from the compiled program
 collective-permutes' pairs) for every kind of exchange. The numbers equal ``data_parallel_step(specs=...)``.
 """
 
-import re
 import warnings
 
 import jax
@@ -58,23 +57,6 @@ def batches(count, rows=32, seed=1):
 # --- the wire, read from the compiled program -------------------------------------------------------------
 
 
-def _groups_of(line: str, op) -> tuple | None:
-    """Replica groups of a collective (the audit's, or the ``mesh[...] {axes}`` form read here)."""
-    if op.replica_groups:
-        return op.replica_groups
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m is None:
-        return None
-    names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-    dims = [int(d) for _, d in names]
-    over = {a.strip().strip("'") for a in m.group(2).split(",") if a.strip()}
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    moved = [i for i, (a, _) in enumerate(names) if a in over]
-    kept = [i for i in range(len(dims)) if i not in moved]
-    ids = ids.transpose(kept + moved).reshape(-1, int(np.prod([dims[i] for i in moved], dtype=int)))
-    return tuple(tuple(int(v) for v in row) for row in ids)
-
-
 def cross_host(compiled, mesh):
     """Bytes that one host's devices put into collectives reaching another host, and those collectives.
 
@@ -83,20 +65,15 @@ def cross_host(compiled, mesh):
     hosts; a collective-permute once per pair leaving host 0. A collective whose groups cannot be read
     counts as crossing (so the test fails loudly rather than missing it).
     """
-    text = compiled.as_text()
-    lines = {m.group(1): m.group(0) for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*$", text, re.MULTILINE)}
     per_host = mesh.devices.size // mesh.devices.shape[0]
     host = lambda d: d // per_host
     total, crossing = 0, []
     for op in cj.audit_collectives(compiled):
-        line = lines.get(op.name, "")
-        if op.op == "collective-permute":
-            pairs = [tuple(int(v) for v in p) for p in re.findall(r"\{(\d+),(\d+)\}",
-                                                                  line.split("source_target_pairs=")[-1])]
-            sent = sum(op.bytes for s, t in pairs if host(s) == 0 and host(t) != 0)
+        groups = op.replica_groups  # the audit reads every form: list, iota, mesh[...] {axes}, permute pairs
+        groups = groups if groups is not None else (tuple(range(mesh.devices.size)),)
+        if op.op == "collective-permute":  # each pair (source, target): the source sends its operand
+            sent = sum(op.bytes for s, t in groups if host(s) == 0 and host(t) != 0)
         else:
-            groups = _groups_of(line, op)
-            groups = groups if groups is not None else (tuple(range(mesh.devices.size)),)
             sent = sum(op.bytes for g in groups for d in g if host(d) == 0 and len({host(e) for e in g}) > 1)
         if sent:
             total += sent

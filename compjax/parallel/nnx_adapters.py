@@ -222,7 +222,10 @@ def nnx_data_parallel_step(
       mesh: mesh with axis ``axis_name`` (n workers).
       axis_name: the data axis; the compressor in the optimizer's ``tx`` must
         use the same name.
-      fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None.
+      fast_axis: the fast axis of a 2-D mesh (:func:`make_2d_mesh`), or None (on a 2-D mesh the step is
+        then :func:`worker_step`'s: the loss on each worker's logical arrays, laid out inside the host by
+        XLA from the arrays' own shardings, one loss per worker; the same parameters as with
+        ``fast_axis``, whose step runs the optimizer and compressors on each device's shards).
         Then model and optimizer come from :func:`nnx_replicate` over
         ``axis_name`` (the slow axis), with or without ``specs=``: each fast
         device takes its own slice of the batch and the gradient is the host's
