@@ -61,6 +61,8 @@ workers, each device's 4-byte vote included.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -77,6 +79,7 @@ __all__ = [
     "UNCOUNTED_SCOPE",
     "any_over_fast",
     "any_over_workers",
+    "capture",
     "cond_unified",
     "dense_mean",
     "dense_mean_arrays",
@@ -90,6 +93,7 @@ __all__ = [
     "max_over_workers",
     "num_workers",
     "reduce_bytes",
+    "replay",
     "sparse_mean",
     "sparse_mean_segments",
     "sum_over_fast",
@@ -542,6 +546,7 @@ def dense_mean(x: jnp.ndarray, axis_name: AxisName, *, prescale: bool = False) -
       ``(mean, payload_bytes)``: the mean, same shape and dtype as ``x``, and
       the all-reduce operand's bytes (:func:`reduce_bytes`).
     """
+    (x,) = _tap(axis_name, (x,))  # capture() / replay(): one worker's payload as arrays of its own
     if axis_name is None:  # nothing on the wire: the payload as it would be sent
         return x, _nbytes(x)
     n = jnp.asarray(num_workers(axis_name), x.dtype)
@@ -710,6 +715,7 @@ def sparse_mean_segments(
       >>> [m.tolist() for m in means], nbytes
       ([[0.0, 1.0, 0.0], [0.0, 2.0, 3.0]], 24)
     """
+    indices, values = _tap(axis_name, (indices, values))  # capture() / replay()
     if indices.shape != values.shape or indices.ndim != 1:
         raise ValueError(
             f"indices and values must be 1-D of the same shape, got {indices.shape} and {values.shape}"
@@ -803,6 +809,7 @@ def gathered_mean(
       bytes of the all-gather operands.
     """
     payload = tuple(payload) + tuple(own)
+    payload = _tap(axis_name, payload)  # capture() / replay()
     nbytes = sum(_nbytes(p) for p in payload)
     if axis_name is None:
         return [d.astype(jnp.float32) for d in decode(*payload)], nbytes
@@ -844,6 +851,7 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
       ``(max, payload_bytes)``: same shape and dtype as ``x``; the operand's bytes
       (:func:`reduce_bytes`).
     """
+    (x,) = _tap(axis_name, (x,))  # capture() / replay()
     if axis_name is None:
         return x, _nbytes(x)
     fast = _host_axis(axis_name)
@@ -859,3 +867,124 @@ def max_over_workers(x: jnp.ndarray, axis_name: AxisName) -> tuple[jnp.ndarray, 
         return total, reduce_bytes(sent)
     with _scope("max"):
         return jax.lax.pmax(x, axis_name), reduce_bytes(x)
+
+
+# --- one worker's payload as arrays of its own: capture and replay ---------------------------------------------
+
+
+class _Tap(threading.local):
+    """This thread's :func:`capture` or :func:`replay` in progress (``mode`` None: neither)."""
+
+    def __init__(self):
+        self.mode: str | None = None
+        self.arrays: list = []
+        self.at = 0
+
+
+_TAP = _Tap()
+
+
+class Captured:
+    """What :func:`capture` recorded.
+
+    Attributes:
+      arrays: the payload arrays handed to the collectives, in call order (tracers
+        when the compressor was traced, e.g. inside ``jax.jit``).
+    """
+
+    def __init__(self):
+        self.arrays: list = []
+
+
+@contextlib.contextmanager
+def _tapping(mode: str, arrays: list):
+    if _TAP.mode is not None:
+        raise ValueError(f"{mode}() inside {_TAP.mode}(): one at a time per thread")
+    _TAP.mode, _TAP.arrays, _TAP.at = mode, arrays, 0
+    try:
+        yield
+    finally:
+        _TAP.mode, _TAP.arrays, _TAP.at = None, [], 0
+
+
+@contextlib.contextmanager
+def capture():
+    """Record the payload one worker (``axis_name=None``) hands to this module's collectives.
+
+    Inside ``with capture() as cap:`` every call with ``axis_name=None`` of
+    :func:`dense_mean` (so of :func:`dense_mean_arrays`), :func:`sparse_mean_segments`
+    (so of :func:`sparse_mean`), :func:`gathered_mean` and :func:`max_over_workers`
+    appends the arrays it would send (its operands: ``x``; ``indices, values``;
+    ``payload`` then ``own``) to ``cap.arrays`` and goes on unchanged.  A
+    compressor's ``update`` traced inside (e.g. in a ``jax.jit``-ed function that
+    returns ``cap.arrays``) thus yields its encoded message as arrays: with
+    ``axis_name=None`` their bytes are what :func:`compjax.message_bytes` counts
+    (the non-finite vote is 0 bytes there).  :func:`replay` decodes them.  Calls
+    with a worker axis are not recorded.  The mode is this thread's own; record
+    only calls traced at the level the arrays are used (not inside a
+    ``lax.cond`` branch or a loop body).
+
+    Yields:
+      :class:`Captured`.
+
+    Raises:
+      ValueError: a capture or replay is already in progress in this thread.
+
+    Examples:
+      >>> import jax.numpy as jnp, compjax as cj
+      >>> tx = cj.topk(0.5, skip_nonfinite=False)
+      >>> g = [jnp.array([1.0, -3.0, 2.0, 0.5])]
+      >>> with capture() as cap:
+      ...     out, _ = tx.update(g, tx.init(g))
+      >>> [(a.dtype.name, a.tolist()) for a in cap.arrays]   # the indices, then the values
+      [('int32', [1, 2]), ('float32', [-3.0, 2.0])]
+    """
+    cap = Captured()
+    with _tapping("capture", cap.arrays):
+        yield cap
+
+
+@contextlib.contextmanager
+def replay(arrays: Sequence):
+    """Decode given payload arrays: the functions of :func:`capture` use them in place of their own operands.
+
+    Inside ``with replay(arrays):`` the same calls (``axis_name=None``) take, in
+    order, the next of ``arrays`` instead of the operands they were given, each
+    of the operand's shape and dtype, and decode those.  Tracing the compressor's
+    ``update`` on any input of the right shapes (zeros, from its ``init`` state)
+    inside then returns the decoding of the captured message, as the sender's
+    compressor decoded it.
+
+    Args:
+      arrays: the payload arrays (NumPy or JAX arrays, or tracers), in the order
+        :func:`capture` recorded them.
+
+    Raises:
+      ValueError: (inside) an array whose shape or dtype is not the operand's, or
+        more operands than arrays; (on leaving without another error) arrays left
+        unused; a capture or replay already in progress in this thread.
+    """
+    given = list(arrays)
+    with _tapping("replay", given):
+        yield
+        if _TAP.at != len(given):
+            raise ValueError(f"replay: {len(given)} payload arrays given, {_TAP.at} used")
+
+
+def _tap(axis_name: AxisName, arrays: tuple) -> tuple:
+    """The payload arrays a collective goes on with: its own (recorded under :func:`capture`) or replayed ones."""
+    if axis_name is not None or _TAP.mode is None:
+        return arrays
+    if _TAP.mode == "capture":
+        _TAP.arrays.extend(arrays)
+        return arrays
+    at = _TAP.at
+    given = _TAP.arrays[at:at + len(arrays)]
+    if len(given) != len(arrays):
+        raise ValueError(f"replay: the payload has {len(_TAP.arrays)} arrays, the decoder asks for more")
+    for j, (g, a) in enumerate(zip(given, arrays)):
+        if tuple(g.shape) != tuple(a.shape) or jnp.dtype(g.dtype) != jnp.dtype(a.dtype):
+            raise ValueError(f"replay: payload array {at + j} is {tuple(g.shape)} {jnp.dtype(g.dtype)}, "
+                             f"the decoder expects {tuple(a.shape)} {jnp.dtype(a.dtype)}")
+    _TAP.at = at + len(arrays)
+    return tuple(jnp.asarray(g) for g in given)

@@ -48,7 +48,8 @@ def save_params(path: Path, tree) -> None:
 def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
     """Serve one run until ``stop`` is set or, when another run follows, every fragment reached
     ``run["versions"]`` merges and ``linger_s`` passed (time for the learners to pull the last replies)."""
-    syncer = Syncer(init_params(), learners=run["learners"], fragments=run["P"], min_quorum=run.get("min_quorum"),
+    syncer = Syncer(init_params(), learners=run["learners"], fragments=run["P"],
+                    compressor=compressor(run.get("comp", "identity")), min_quorum=run.get("min_quorum"),
                     grace_s=run.get("grace_s"), max_staleness=run.get("max_staleness", 0),
                     heartbeat_timeout_s=run.get("heartbeat_timeout_s"))
     ckpt = run.get("checkpoint")
@@ -133,7 +134,8 @@ def run_bad(run: dict, out: Path) -> None:
     answers = []
     merged = None
     for case in ["good", *run["cases"]]:
-        values = [np.array(v, np.float32) * 0.01 for v in good]
+        # The payload of the syncer's default compressor (cj.identity): the leaves in one float32 buffer.
+        values = [np.concatenate([np.ravel(np.array(v, np.float32) * 0.01) for v in good])]
         fields = {"learner": name, "fragment": 0, "base_version": start.versions[0] + (case != "good"),
                   "tokens": 8.0, "step": 1, "shapes": tuple(v.shape for v in values),
                   "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": sum(v.nbytes for v in values)}

@@ -43,9 +43,10 @@ def run_decoupled(steps, H, P, comp):
     params0 = init_params()
     names = [f"learner{i}" for i in range(N)]
     transport = InProcessTransport(names)
-    syncer = Syncer(params0, learners=names, fragments=P)  # default Nesterov outer, as cj.diloco's
+    comp_tx = compressor(comp, None)  # one compressor, a state per learner; the syncer decodes with it
+    syncer = Syncer(params0, learners=names, fragments=P, compressor=comp_tx)  # Nesterov outer, as cj.diloco's
     inner = optax.sgd(LR)
-    step, comp_tx = train_step_for(inner), compressor(comp, None)  # one compressor, a state per learner
+    step = train_step_for(inner)
     learners = [Learner(n, step, params0, inner.init(params0), transport, sync_every=H, fragments=P,
                         compressor=comp_tx, wait_for_merge=True, reply_timeout_s=30.0)
                 for n in names]

@@ -116,11 +116,11 @@ def test_a_silent_learner_holds_the_others_only_for_the_grace_window():
 
 def test_error_feedback_stays_on_the_learner():
     """top-k of half the outer gradient: what was not sent is in the learner's compressor state, per fragment."""
-    transport = InProcessTransport(["a"])
-    lrn = learner("a", transport, compressor=cj.topk(0.5, skip_nonfinite=False))
+    transport, tx = InProcessTransport(["a"]), cj.topk(0.5, skip_nonfinite=False)
+    lrn = learner("a", transport, compressor=tx)
     lrn.step(1.0)
     lrn.step(1.0)
-    sent = transport.receive(timeout=30).pull()
+    sent = Syncer(init(), learners=["a"], compressor=tx).decode(0, transport.receive(timeout=30).pull())
     anchor = jax.tree.leaves(init())
     delta = [a - x for a, x in zip(anchor, jax.tree.leaves(lrn.params))]
     residual = lrn.compressor_state(0).residual

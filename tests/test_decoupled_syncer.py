@@ -23,13 +23,24 @@ def init():
 
 
 def message(syncer, name, p, base, tokens, seed, **changes):
-    """A well-formed contribution to fragment ``p`` (random values), with header fields replaced by ``changes``."""
+    """A well-formed contribution to fragment ``p`` (random values), with header fields replaced by ``changes``.
+
+    The syncer's default compressor is cj.identity: the payload is one float32 buffer, the fragment's
+    leaves raveled and concatenated (:func:`leaves` splits it back)."""
     rng = np.random.default_rng(seed)
-    values = tuple(rng.normal(size=x.shape).astype(np.float32) for x in syncer.fragment_values(p))
+    values = (np.concatenate([rng.normal(size=x.shape).astype(np.float32).ravel()
+                              for x in syncer.fragment_values(p)]),)
     fields = {"learner": name, "fragment": p, "base_version": base, "tokens": tokens, "step": 1,
                   "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0}
     fields.update(changes)
     return Contribution(Header(**fields), values)
+
+
+def leaves(syncer, m, p=0):
+    """The outer gradient of an identity payload: its buffer split into fragment ``p``'s leaves."""
+    shapes = [x.shape for x in syncer.fragment_values(p)]
+    cuts = np.cumsum([math.prod(sh) for sh in shapes])[:-1]
+    return [part.reshape(sh) for part, sh in zip(np.split(m.values[0], cuts), shapes)]
 
 
 def snapshot(syncer):
@@ -59,7 +70,7 @@ def test_token_weighted_merges_match_numpy():
             replies += s.submit(m)
         assert [r.learner for r in replies] == NAMES and all(r.accepted for r in replies)
         for j in range(len(x)):
-            mean = sum(t * m.values[j].astype(np.float64) for t, m in zip(tokens, msgs)) / sum(tokens)
+            mean = sum(t * leaves(s, m)[j].astype(np.float64) for t, m in zip(tokens, msgs)) / sum(tokens)
             x[j], trace[j] = np_nesterov(x[j], mean, trace[j])
         for r in replies:
             for a, b in zip(r.values, x):
@@ -89,7 +100,7 @@ def test_grace_window_merges_what_came():
     assert s.tick(now=109.9) == [] and s.versions() == [0]
     replies = s.tick(now=110.0)
     assert [r.learner for r in replies] == ["x"] and s.versions() == [1] and s.next_deadline() is None
-    for g, b, v in zip(s.fragment_values(0), before, m.values):  # sgd(1): θ - Δ̄, one contributor
+    for g, b, v in zip(s.fragment_values(0), before, leaves(s, m)):  # sgd(1): θ - Δ̄, one contributor
         np.testing.assert_allclose(g, b - v, rtol=1e-6, atol=1e-6)
 
 
@@ -111,7 +122,7 @@ def test_staleness_rule_discounts_then_refuses():
     assert s.submit(stale) == []
     replies = s.submit(fresh)  # merge 2
     w = np.array([4.0 * math.exp(-alpha), 2.0])
-    for g, b, vs, vf in zip(s.fragment_values(0), before, stale.values, fresh.values):
+    for g, b, vs, vf in zip(s.fragment_values(0), before, leaves(s, stale), leaves(s, fresh)):
         np.testing.assert_allclose(g, b - (w[0] * vs + w[1] * vf) / w.sum(), rtol=1e-6, atol=1e-6)
     assert {r.learner for r in replies} == {"x", "z"}
     old = snapshot(s)
@@ -133,9 +144,11 @@ def bad_cases():
         "fragment out of range": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment=2), "wrong fragment", True),
         "fragment negative": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment=-1), "wrong fragment", True),
         "fragment not an int": (lambda s: message(s, "x", 0, 1, 1.0, 1, fragment="0"), "wrong fragment", True),
-        "too few arrays": (lambda s: edit(s, lambda sh, dt: (sh[:1], dt[:1])), "wrong size", True),
+        "too few arrays": (lambda s: edit(s, lambda sh, dt: (sh[:0], dt[:0])), "wrong size", True),
+        "too many arrays": (lambda s: edit(s, lambda sh, dt: (sh + sh, dt + dt)), "wrong size", True),
         "declared too large": (lambda s: edit(s, lambda sh, dt: (((1 << 40,),) + sh[1:], dt)), "wrong size", True),
-        "declared shape": (lambda s: edit(s, lambda sh, dt: ((sh[0][::-1],) + sh[1:], dt)), "wrong shape", True),
+        "declared shape": (lambda s: edit(s, lambda sh, dt: ((sh[0] + (1,),) + sh[1:], dt)), "wrong shape", True),
+        "declared smaller": (lambda s: edit(s, lambda sh, dt: (((sh[0][0] - 1,),) + sh[1:], dt)), "wrong shape", True),
         "negative dimension": (lambda s: edit(s, lambda sh, dt: (((-6,),) + sh[1:], dt)), "wrong shape", True),
         "declared dtype": (lambda s: edit(s, lambda sh, dt: (sh, ("<f2",) + dt[1:])), "wrong shape or dtype", True),
         "tokens zero": (lambda s: message(s, "x", 0, 1, 0.0, 1), "tokens", True),
@@ -149,7 +162,7 @@ def bad_cases():
             "wrong shape or dtype", False),
         "arrays' shape differs from the header": (
             lambda s: Contribution(message(s, "x", 0, 1, 1.0, 1).header,
-                                   tuple(v.reshape(-1) for v in message(s, "x", 0, 1, 1.0, 1).values)),
+                                   tuple(v.reshape(1, -1) for v in message(s, "x", 0, 1, 1.0, 1).values)),
             "wrong shape or dtype", False),
         "nan": (lambda s: poison(message(s, "x", 0, 1, 1.0, 1), np.nan), "non-finite", False),
         "inf": (lambda s: poison(message(s, "x", 0, 1, 1.0, 1), -np.inf), "non-finite", False),

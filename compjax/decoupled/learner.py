@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 import zlib
@@ -18,24 +17,12 @@ import optax
 
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
-from compjax.compressors.identity import identity
+from compjax.decoupled import wire
 from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.transport import Transport
 from compjax.workers import is_key
 
 logger = logging.getLogger("compjax.decoupled")
-
-
-@functools.cache
-def _default_compressor() -> optax.GradientTransformation:
-    """float32 outer gradients, exact: one instance, so its encoder compiles once per process."""
-    return identity(None, skip_nonfinite=False)
-
-
-@functools.cache
-def _encoder(compressor: optax.GradientTransformation) -> Callable:
-    """``(outer_gradient, comm_state) -> (decoded, comm_state)``, jitted once per compressor."""
-    return jax.jit(lambda delta, state: compressor.update(delta, state))
 
 
 def _fold_keys(state: Any, index: int) -> Any:
@@ -59,8 +46,9 @@ class LearnerStats:
     """What a learner measured.
 
     Attributes:
-      bytes_sent: per fragment, the bytes counted for its contributions (:func:`message_bytes`), summed
-        (by the sender thread: complete once :meth:`Learner.finish` returned).
+      bytes_sent: per fragment, the bytes of the payload arrays handed to the transport, summed (by
+        the sender thread: complete once :meth:`Learner.finish` returned); equal to the bytes counted
+        for the contributions (:func:`message_bytes`, checked when the learner is built).
       sends: per fragment, the contributions sent.
       delays: per fragment, for each reply, the inner steps taken between the send and the reply's use.
       refusals: ``(fragment, reason)`` of every refusal the syncer answered.
@@ -89,10 +77,16 @@ class Learner:
     ``Δ_p = θ^g_p − θ_p`` (its anchor, the global values it last received, minus
     its parameters, in float32), compresses it with ``compressor`` (any compjax
     compressor built with ``axis_name=None``; its state, e.g. the error-feedback
-    residual, is this learner's, one per fragment), and hands the decoded message
-    with its byte count (:func:`message_bytes`) and the tokens trained on since
-    the fragment's last send to a background thread that sends it
-    (:class:`Transport`), while the next inner steps run.
+    residual, is this learner's, one per fragment), and hands the encoded message
+    -- the compressor's payload arrays, e.g. packed codes and scales, captured with
+    :func:`compjax.collectives.capture` -- with its byte count
+    (:func:`message_bytes`) and the tokens trained on since the fragment's last
+    send to a background thread that sends it (:class:`Transport`), while the
+    next inner steps run.  The syncer decodes the payload with the same
+    compressor (:mod:`compjax.decoupled.wire`) into exactly the values the
+    learner's compressor decoded (and its error feedback subtracted).  When the
+    compressor's non-finite guard skips an update (a non-finite outer gradient),
+    the learner sends the compressor's message of zeros.
 
     When the syncer's reply comes back with the merged global values ``θ̃_p``, the
     anchor becomes ``θ̃_p`` and the parameters mix it in::
@@ -132,7 +126,10 @@ class Learner:
       sync_every: ``H``, inner steps between two sends of a fragment, an integer >= 1.
       fragments: the number of fragments, as the syncer's.
       compressor: a compjax compressor with ``axis_name=None`` for the outer
-        gradients, or None for :func:`compjax.identity` (float32, exact).
+        gradients, or None for :func:`compjax.identity` (float32, exact); the
+        syncer must be built with the same one.  It must send its whole message
+        through the collectives that :func:`compjax.collectives.capture` records,
+        and decode it from that message alone (every compjax compressor does).
       alpha: weight of the local parameters in the merge, in [0, 1] (unused with
         ``wait_for_merge``).
       wait_for_merge: block after each send until the merged fragment comes back.
@@ -149,8 +146,10 @@ class Learner:
       stats: :class:`LearnerStats`.
 
     Raises:
-      ValueError: an argument outside the ranges above, or a ``start`` whose fragments,
-        shapes or versions do not fit ``params`` and ``fragments``.
+      ValueError: an argument outside the ranges above, a ``start`` whose fragments,
+        shapes or versions do not fit ``params`` and ``fragments``, or a compressor whose
+        message cannot travel as its payload arrays (named, with the reason:
+        :func:`compjax.decoupled.wire.check_capturable`).
       TimeoutError: (from :meth:`step` and :meth:`finish`) no reply within ``reply_timeout_s``.
 
     References:
@@ -219,10 +218,15 @@ class Learner:
         leaves = jax.tree.leaves(params)
         wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
         self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
-        self._tx = _default_compressor() if compressor is None else compressor
-        self._encode = _encoder(self._tx)
+        self._tx = wire.default_compressor() if compressor is None else compressor
+        self._encode = wire.encoder(self._tx)
         self.worker_index = int(index)
         self._comm = [_fold_keys(self._tx.init(a), self.worker_index) for a in self._anchor]
+        checked = set()
+        for a, comm in zip(self._anchor, self._comm):  # once per distinct fragment (it compiles the encoder)
+            if wire.like_of(a) not in checked:
+                wire.check_capturable(self._tx, comm, wire.like_of(a))
+                checked.add(wire.like_of(a))
         self._version = [0] * len(self._index)
         if start is not None:
             self._begin_at(start)
@@ -335,20 +339,25 @@ class Learner:
         self._check_sends()
         leaves = jax.tree.leaves(self.params)
         delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
-        decoded, self._comm[p] = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
-        job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, decoded, self._comm[p])
+        _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
+        job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
+                                  self._comm[p])
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count
         self.stats.sends[p] += 1
         self._sends.append(job)
 
-    def _ship(self, p: int, base_version: int, tokens: float, step: int, decoded: list, comm_state: Any) -> None:
-        """On the sender thread: wait for the encoded arrays, count their bytes, hand them to the transport."""
-        values = tuple(np.asarray(x) for x in decoded)
+    def _ship(self, p: int, base_version: int, tokens: float, step: int, payload: tuple, skipped: Any,
+              comm_state: Any) -> None:
+        """On the sender thread: wait for the payload arrays, count their bytes, hand them to the transport."""
+        if bool(skipped):  # the guard zeroed the output; the payload encodes the residual: send zeros' message
+            zeros = [jnp.zeros(a.shape, a.dtype) for a in self._anchor[p]]
+            payload = self._encode(zeros, _fold_keys(self._tx.init(zeros), self.worker_index))[2]
+        values = tuple(np.asarray(x) for x in payload)
         nbytes = message_bytes(comm_state)
         header = Header(self.name, p, base_version, tokens, step, tuple(v.shape for v in values),
                         tuple(v.dtype.str for v in values), nbytes)
-        self.stats.bytes_sent[p] += nbytes  # written by this thread only
+        self.stats.bytes_sent[p] += sum(int(v.nbytes) for v in values)  # written by this thread only
         self._transport.send(Contribution(header, values))
 
     # --- receiving ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What learners and the syncer say to each other: a contribution (header, then arrays) and a reply."""
+"""What learners and the syncer say to each other: a contribution (header, then payload arrays) and a reply."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def message_bytes(comm_state: Any) -> int:
     The one place where a decoupled learner's sends are counted, in the same unit as every
     compjax compressor (:func:`compjax.message_bytes`: the exact bytes of the compressed payload
     of the last ``update``; the learner's compressor has no worker axis, so no collective carries it
-    and :func:`compjax.payload_bytes` reads 0 — the transport carries it instead).  A transport's own
-    framing is not included.
+    and :func:`compjax.payload_bytes` reads 0 — the transport carries it instead).  These are
+    exactly the bytes of the payload arrays a :class:`Contribution` carries (the message as the
+    compressor encoded it: :mod:`compjax.decoupled.wire`); without a worker axis the non-finite
+    vote counts 0 bytes.  A transport's own framing is not included.
 
     Args:
       comm_state: the state a compjax compressor returned from the ``update`` that encoded the
@@ -53,9 +55,11 @@ class Header:
       tokens: tokens the learner trained on since its last contribution of this fragment (the
         merge weight), a positive finite number.
       step: the learner's inner step after which the outer gradient was taken.
-      shapes: shape of each array of the message, in the fragment's leaf order.
-      dtypes: NumPy dtype string of each array (``np.dtype(d).str``, e.g. ``'<f4'``).
-      payload_bytes: the bytes the compressor counted for the message (:func:`message_bytes`).
+      shapes: shape of each payload array of the message (the compressor's encoded message, in
+        the order its collectives take it, zero-size arrays left out: :mod:`compjax.decoupled.wire`).
+      dtypes: NumPy dtype string of each array (``np.dtype(d).str``, e.g. ``'<u4'``).
+      payload_bytes: the bytes the compressor counted for the message (:func:`message_bytes`);
+        equal to the arrays' bytes.
     """
 
     learner: str
@@ -83,12 +87,14 @@ class Header:
 
 @dataclasses.dataclass(frozen=True)
 class Contribution:
-    """One learner's compressed outer gradient of one fragment: a header and the decoded arrays.
+    """One learner's compressed outer gradient of one fragment: a header and the encoded message.
 
     Attributes:
       header: :class:`Header`.
-      values: the decoded message the syncer averages (the compressor's output for this one
-        learner, ``axis_name=None``), one NumPy array per leaf of the fragment.
+      values: the compressor's payload arrays (e.g. packed codes and float32 scales; for the
+        default :func:`compjax.identity`, one float32 buffer of the fragment's leaves, raveled and
+        concatenated), as :func:`compjax.decoupled.wire.encoder` captures them; the syncer
+        decodes them with the same compressor.
     """
 
     header: Header

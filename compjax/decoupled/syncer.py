@@ -19,6 +19,7 @@ import optax
 
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
+from compjax.decoupled import wire
 from compjax.decoupled.messages import Contribution, Header, Reply, Start
 from compjax.decoupled.transport import Incoming, Transport
 
@@ -50,9 +51,13 @@ class Syncer:
     ``θ^g_p`` (float32, or the leaf's dtype if wider), the state of the outer
     optimizer over them, and a version ``v_p`` (the number of merges so far).
 
-    A learner's contribution to fragment ``p`` is its decoded, compressed outer
-    gradient ``m_i ≈ θ^g_p(v) − θ_p`` taken from version ``v``, with the tokens
-    ``n_i`` it trained on since its previous contribution to ``p``.  Its staleness
+    A learner's contribution to fragment ``p`` is its compressed outer gradient,
+    the compressor's encoded message (its payload arrays, e.g. packed codes and
+    scales: :mod:`compjax.decoupled.wire`), taken from version ``v``, with the
+    tokens ``n_i`` it trained on since its previous contribution to ``p``.  The
+    syncer decodes it with ``compressor`` (the learners' compressor) into
+    ``m_i ≈ θ^g_p(v) − θ_p``, exactly the values the learner's compressor
+    decoded.  Its staleness
     is ``τ_i = v_p − v``.  **Staleness rule** (bounded staleness, as the stale
     synchronous parallel parameter server of Ho et al., NeurIPS 2013, with the
     exponential discount ``e^{−α τ}`` of CGAD, arXiv 2605.09126, taking its
@@ -74,11 +79,12 @@ class Syncer:
     workers, then the outer optimizer.
 
     **Refusals.**  A contribution from an unknown learner, for a fragment out of
-    range, whose arrays do not have the fragment's shapes and dtypes (or whose
-    declared size is larger than the fragment's), with tokens not positive and
-    finite, from a version the fragment never had, staler than
-    ``max_staleness``, a second one from the same learner in one round, or
-    holding a non-finite value, is refused: a ``WARNING`` on the
+    range, whose payload arrays do not have the shapes and dtypes of the
+    compressor's message for the fragment (or whose declared size is larger),
+    with tokens not positive and finite, from a version the fragment never had,
+    staler than ``max_staleness``, a second one from the same learner in one
+    round, or whose decoded value holds a non-finite entry, is refused: a
+    ``WARNING`` on the
     ``compjax.decoupled`` logger names the learner, the fragment and the reason,
     :attr:`refused` records it, and neither the global model nor the outer state
     change.  The header is checked before the arrays are pulled from the
@@ -100,6 +106,8 @@ class Syncer:
       params: the initial global parameters (a pytree; every learner starts from them).
       learners: the names of the learners allowed to contribute (distinct strings).
       fragments: the number of fragments, in [1, floating-point leaves of ``params``].
+      compressor: the learners' compressor (``axis_name=None``), which decodes their
+        payloads, or None for :func:`compjax.identity` (the learners' default: float32).
       outer: the outer optimizer (an optax transformation); default
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).
       min_quorum: contributions that trigger a merge, in [1, len(learners)];
@@ -119,8 +127,8 @@ class Syncer:
         is the wall-clock time of its last message (``time.time()`` seconds).
 
     Raises:
-      ValueError: any argument outside the ranges above, or ``outer`` not an optax
-        transformation.
+      ValueError: any argument outside the ranges above, ``outer`` not an optax
+        transformation, or a ``compressor`` whose message cannot be captured as arrays.
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
@@ -150,6 +158,7 @@ class Syncer:
         *,
         learners: Sequence[str],
         fragments: int = 1,
+        compressor: optax.GradientTransformation | None = None,
         outer: optax.GradientTransformation | None = None,
         min_quorum: int | None = None,
         grace_s: float | None = None,
@@ -171,6 +180,8 @@ class Syncer:
             check_range("heartbeat_timeout_s", heartbeat_timeout_s, 0.0, None, lo_open=True)
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
+        if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
+            raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
         self.learners = tuple(names)
         self.min_quorum = int(quorum)
         self.grace_s = None if grace_s is None else float(grace_s)
@@ -184,6 +195,9 @@ class Syncer:
         wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
         self._global = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
         self._outer = [self._outer_tx.init(g) for g in self._global]
+        self._tx = wire.default_compressor() if compressor is None else compressor
+        self._like = [wire.like_of(g) for g in self._global]
+        self._spec = [wire.payload_spec(self._tx, like) for like in self._like]  # what each fragment's message holds
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._rounds: list[_Round | None] = [None] * len(self._index)
@@ -215,6 +229,21 @@ class Syncer:
         """Per learner, per fragment: the version its last merged contribution produced (-1: none yet)."""
         with self._lock:
             return {k: list(v) for k, v in self._last_merged.items()}
+
+    def payload_spec(self, fragment: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shapes and dtypes of the payload arrays a contribution to ``fragment`` must carry."""
+        return self._spec[fragment]
+
+    def decode(self, fragment: int, payload) -> list[jax.Array]:
+        """The outer gradient a payload of ``fragment`` encodes (one array per leaf), as the learner decoded it.
+
+        Raises:
+          ValueError: the payload's arrays are not of :meth:`payload_spec`'s shapes and dtypes.
+        """
+        why = self._check_payload(fragment, tuple(np.asarray(x) for x in payload))
+        if why:
+            raise ValueError(why)
+        return wire.decoder(self._tx, self._like[fragment])(tuple(payload))
 
     def fragment_values(self, fragment: int) -> tuple[np.ndarray, ...]:
         """The global values of ``fragment``'s leaves (NumPy copies, float32 or wider)."""
@@ -300,9 +329,9 @@ class Syncer:
         """Why the contribution of ``header`` must be refused, from the header alone ('' when admissible).
 
         Checked in this order: the learner is known; the fragment is an integer in range; the
-        declared arrays are as many as the fragment's leaves and their size no larger than the
-        fragment's (before anything is allocated); each declared shape and dtype is the
-        fragment's; the tokens are positive and finite; the base version exists; the staleness
+        declared arrays are as many as the compressor's message for the fragment holds
+        (:meth:`payload_spec`) and their size no larger than that message's (before anything is
+        allocated); each declared shape and dtype is the message's; the tokens are positive and finite; the base version exists; the staleness
         is at most ``max_staleness``; the learner has not contributed to the open round already.
         """
         with self._lock:
@@ -317,21 +346,21 @@ class Syncer:
         p = header.fragment
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
             return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
-        want = self._global[p]
+        want = self._spec[p]
         if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
-            return (f"wrong size: fragment {p} has {len(want)} arrays, the header declares "
+            return (f"wrong size: the message of fragment {p} has {len(want)} arrays, the header declares "
                     f"{len(header.shapes)} shapes and {len(header.dtypes)} dtypes")
-        limit = sum(x.size * x.dtype.itemsize for x in want)
+        limit = sum(x.size * np.dtype(x.dtype).itemsize for x in want)
         try:
             declared = header.array_bytes()
         except (ValueError, TypeError) as e:
             return f"wrong shape or dtype: {e}"
         if declared > limit:
-            return f"wrong size: {declared} bytes declared, fragment {p} holds {limit}"
+            return f"wrong size: {declared} bytes declared, the message of fragment {p} holds {limit}"
         for j, (shape, dtype, x) in enumerate(zip(header.shapes, header.dtypes, want)):
-            if tuple(shape) != x.shape or np.dtype(dtype) != x.dtype:
-                return (f"wrong shape or dtype of array {j}: {tuple(shape)} {np.dtype(dtype)}, fragment {p} "
-                        f"has {x.shape} {x.dtype}")
+            if tuple(shape) != tuple(x.shape) or np.dtype(dtype) != np.dtype(x.dtype):
+                return (f"wrong shape or dtype of array {j}: {tuple(shape)} {np.dtype(dtype)}, the message of "
+                        f"fragment {p} has {tuple(x.shape)} {np.dtype(x.dtype)}")
         if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
                 and header.tokens > 0):
             return f"tokens must be positive and finite, got {header.tokens!r}"
@@ -376,7 +405,10 @@ class Syncer:
                 except Exception as e:  # noqa: BLE001 - a failed receive refuses this contribution only
                     why = f"could not receive the arrays: {type(e).__name__}: {e}"
                 else:
-                    why = self._check_values(h.fragment, values)
+                    why = self._check_payload(h.fragment, values)
+                if not why:  # the outer gradient the payload encodes; never a non-finite one in the model
+                    values = tuple(wire.decoder(self._tx, self._like[h.fragment])(values))
+                    why = self._check_finite(values)
             if why:
                 return self._refuse(h, why)
             p = h.fragment
@@ -433,16 +465,21 @@ class Syncer:
             opened = [r.opened for r in self._rounds if r is not None]
             return min(opened) + self.grace_s if opened else None
 
-    def _check_values(self, p: int, values: tuple) -> str:
-        want = self._global[p]
+    def _check_payload(self, p: int, values: tuple) -> str:
+        want = self._spec[p]
         if len(values) != len(want):
-            return f"wrong size: {len(values)} arrays received, fragment {p} has {len(want)}"
+            return f"wrong size: {len(values)} arrays received, the message of fragment {p} has {len(want)}"
         for j, (v, x) in enumerate(zip(values, want)):
-            if v.shape != x.shape or v.dtype != x.dtype:
-                return f"wrong shape or dtype of array {j}: received {v.shape} {v.dtype}, fragment has {x.shape} {x.dtype}"
-        for j, v in enumerate(values):
-            if not np.all(np.isfinite(v)):
-                return f"non-finite value in array {j}"
+            if v.shape != tuple(x.shape) or v.dtype != np.dtype(x.dtype):
+                return (f"wrong shape or dtype of array {j}: received {v.shape} {v.dtype}, the message has "
+                        f"{tuple(x.shape)} {np.dtype(x.dtype)}")
+        return ""
+
+    @staticmethod
+    def _check_finite(decoded: tuple) -> str:
+        for j, v in enumerate(decoded):
+            if not bool(jnp.all(jnp.isfinite(v))):
+                return f"non-finite value in the decoded leaf {j}"
         return ""
 
     def _refuse(self, h: Header, why: str) -> list[Reply]:
