@@ -124,12 +124,14 @@ def decoder(compressor: optax.GradientTransformation, like: Like) -> Callable:
 
 
 def describe(compressor: Any) -> str:
-    """A name for ``compressor`` in messages: the type of its state (e.g. ``TopkState``) or its repr."""
+    """A name for ``compressor`` in messages: the type of its state (``TopkState``; a chain's, joined) or its repr."""
     try:
         state = jax.eval_shape(compressor.init, [jax.ShapeDtypeStruct((8,), jnp.float32)])
-        return type(state).__name__
     except Exception:  # noqa: BLE001 - a name for an error message only
         return repr(compressor)
+    if type(state) in (tuple, list):  # optax.chain: the states of its parts
+        return "chain(" + ", ".join(type(x).__name__ for x in state) + ")"
+    return type(state).__name__
 
 
 def check_capturable(compressor: optax.GradientTransformation, state: Any, like: Like) -> None:
