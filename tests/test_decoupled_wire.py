@@ -25,6 +25,7 @@ COMPRESSORS = {
     "e3m0": lambda: cj.e3m0(),
     "topk": lambda: cj.topk(0.25),
     "chunktopk": lambda: cj.chunktopk(2, chunk=4),
+    "chunktopk_bf16_values": lambda: cj.chunktopk(3, chunk=4, values="bfloat16"),  # bfloat16 travels as uint16
 }
 
 
@@ -94,7 +95,7 @@ def test_the_learner_sends_the_payload_counted_and_the_syncer_decodes_it_bit_for
             assert len(c.values) == len(payload) and all(np.array_equal(a, b) for a, b in zip(c.values, payload))
             sent = sum(v.nbytes for v in c.values)
             assert sent == c.header.payload_bytes == int(cj.message_bytes(lrn.compressor_state(p)))
-            assert [v.shape for v in c.values] == [tuple(s.shape) for s in syncer.payload_spec(p)]
+            assert [(v.shape, v.dtype) for v in c.values] == [(s.shape, s.dtype) for s in syncer.payload_spec(p)]
             if name == "identity":
                 assert sent == 4 * sizes[p]
             else:  # compressed: fewer bytes than float32

@@ -11,7 +11,9 @@ them instead of their own operands, so the syncer gets the outer gradient exactl
 learner's compressor decoded it (its error feedback subtracts the same values).
 
 Zero-size payload arrays (an unused buffer, e.g. raw values of a compressor that sends codes)
-do not travel; the decoder fills them in from its own trace.
+do not travel; the decoder fills them in from its own trace.  Floats that NumPy has no dtype
+string for (bfloat16, the float8 formats) travel bitcast to unsigned integers of the same width,
+as :mod:`compjax.collectives` sends them through all-gathers (no data moves; bit for bit).
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ def like_of(arrays: Sequence) -> Like:
     return tuple((tuple(int(d) for d in x.shape), jnp.dtype(x.dtype).name) for x in arrays)
 
 
+def _wire_dtype(dtype) -> Any:
+    """The dtype an array of ``dtype`` travels as: itself, or the unsigned integer of its width for a float
+    whose NumPy dtype string does not name it (bfloat16, float8: ``'<V2'``, ``'|V1'``)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).kind == "V":
+        return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize])
+    return dtype
+
+
+def _to_wire(x: jax.Array) -> jax.Array:
+    wire = _wire_dtype(x.dtype)
+    return x if wire == x.dtype else jax.lax.bitcast_convert_type(x, wire)
+
+
 def _skipped(state: Any) -> jnp.ndarray:
     """The sum of every int32 field named ``skipped`` in ``state`` (steps the non-finite guard skipped)."""
     total = jnp.zeros((), jnp.int32)
@@ -63,7 +79,8 @@ def encoder(compressor: optax.GradientTransformation) -> Callable:
     """``(outer_gradient, comm_state) -> (decoded, comm_state, payload, skipped)``, jitted once per compressor.
 
     ``decoded``: the compressor's output (its decoding of its own message, float32 leaves of the
-    fragment); ``payload``: the tuple of the message's non-empty arrays (:func:`compjax.collectives.capture`);
+    fragment); ``payload``: the tuple of the message's non-empty arrays (:func:`compjax.collectives.capture`;
+    bfloat16 and float8 ones bitcast to unsigned integers);
     ``skipped``: a boolean scalar, true when the compressor's non-finite guard skipped this update
     (its output is then zeros and its state unchanged, but its payload encodes the residual alone).
     """
@@ -71,7 +88,8 @@ def encoder(compressor: optax.GradientTransformation) -> Callable:
     def encode(delta, state):
         with collectives.capture() as cap:
             decoded, new = compressor.update(delta, state)
-        return decoded, new, tuple(a for a in cap.arrays if a.size), _skipped(new) > _skipped(state)
+        payload = tuple(_to_wire(a) for a in cap.arrays if a.size)
+        return decoded, new, payload, _skipped(new) > _skipped(state)
 
     return jax.jit(encode)
 
@@ -100,7 +118,7 @@ def payload_spec(compressor: optax.GradientTransformation, like: Like) -> tuple[
     except Exception as e:  # any tracing error: this message cannot be captured
         raise ValueError(f"compressor {describe(compressor)} cannot send its message as arrays: "
                          f"{type(e).__name__}: {e}") from e
-    return tuple(s for s in full if s.size)
+    return tuple(jax.ShapeDtypeStruct(s.shape, _wire_dtype(s.dtype)) for s in full if s.size)
 
 
 @functools.cache
@@ -114,7 +132,8 @@ def decoder(compressor: optax.GradientTransformation, like: Like) -> Callable:
 
     def decode(payload):
         given = iter(payload)
-        arrays = [next(given) if s.size else jnp.zeros(s.shape, s.dtype) for s in full]
+        arrays = [jax.lax.bitcast_convert_type(next(given), s.dtype) if s.size else jnp.zeros(s.shape, s.dtype)
+                  for s in full]
         zeros = [jnp.zeros(s, jnp.dtype(d)) for s, d in like]
         with collectives.replay(arrays):
             decoded, _ = compressor.update(zeros, compressor.init(zeros))
