@@ -17,6 +17,8 @@ synchronization.  Here each learner runs its own training step and never waits f
 * :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :class:`Start` -- where a
   learner starts (:meth:`Syncer.register`: a late join); :func:`message_bytes` -- how a
   contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
+  A contribution carries the compressor's encoded message, its payload arrays, whose bytes are
+  the bytes counted; the syncer decodes it with the same compressor (:mod:`compjax.decoupled.wire`).
 
 With ``min_quorum`` = all learners, no grace limit and learners that wait for each merge
 (``wait_for_merge=True``), the system computes the global parameters of :func:`compjax.diloco`
