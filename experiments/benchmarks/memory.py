@@ -1,19 +1,21 @@
-"""Per-device memory of the LM training step at 125M, 1B and 8B parameters, replicated vs sharded, without the memory.
+"""Per-device memory of the LM training step from 125M to 65B parameters: compjax's layouts beside a MaxText-style step.
 
-    python -m experiments.benchmarks.memory [--sizes 125M,1B,8B] [--methods dense,topk,...] [--dtype float32]
+    python -m experiments.benchmarks.memory [--sizes 125M,1B,8B,70B] [--meshes 2x4,2x8,2x32]
+        [--methods dense,topk,...] [--precision mixed|fp32] [--no-reference]
     python -m experiments.benchmarks.memory --publish     # the committed results (experiments/results/benchmarks)
 
 Every configuration is compiled ahead of time from abstract inputs
 (``jax.ShapeDtypeStruct`` with a ``NamedSharding``: nothing is allocated) on a
-``2 x 4`` mesh of simulated CPU devices (``parallel.make_2d_mesh(2, 4)``: 2
-hosts of 4 devices), and XLA's buffer assignment of the compiled step is read
-back (``compiled.memory_analysis()``, bytes of one device's program).
+``slow x fast`` mesh of simulated CPU devices (``parallel.make_2d_mesh(slow, fast)``:
+``slow`` hosts of ``fast`` devices), and XLA's buffer assignment of the compiled
+step is read back (``compiled.memory_analysis()``, bytes of one device's program).
+The script asks XLA for :data:`MAX_DEVICES` simulated devices before JAX starts.
 
 **Model**: the LM testbed's transformer (:class:`experiments.lm.model.CharTransformer`:
 GPT-2 shaped, learned positions, pre-LayerNorm blocks, 4x GELU MLP, untied
-head; float32 parameters, the master copy mixed-precision training keeps, or
-``--dtype bfloat16``) with a 32,000-token vocabulary and a 1,024-token context
-(:data:`SIZES`), written here in pure JAX with the same leaves and parameter
+head) with a 32,000-token vocabulary and a 1,024-token context (:data:`SIZES`:
+0.13B, 1.04B, 7.92B and, as the 70B class, 64.97B parameters: 80 layers, d 8192,
+64 heads), written here in pure JAX with the same leaves and parameter
 count (:func:`experiments.lm.model.num_params`, checked) but each block
 parameter stacked over the layers and the blocks run under ``jax.lax.scan``
 with activation checkpointing (:func:`forward`): the testbed's model unrolls
@@ -23,42 +25,65 @@ machine; 38 unrolled blocks of 16 leaves each would not fit the 10 minutes the
 whole benchmark may take).  Compressors therefore see each stacked leaf (all
 the layers of a group, :func:`init_shapes`) as one layer.
 
-**Step**: :func:`compjax.parallel.data_parallel_step` with the parameters and
-optimizer state donated (as in a training loop), each device one sequence of
-1,024 tokens (``--batch-per-device``), in two layouts:
+**Precision** (``--precision``, :data:`PRECISIONS`): ``mixed`` (the default and
+the published table: float32 master parameters, float32 AdamW moments and
+float32 compressor / error-feedback / DiLoCo state; the loss casts each
+parameter to bfloat16 where it is used, so activations, the matmuls and the
+gathered compute copies are bfloat16, and the gradient arrives in float32 on
+the master parameters) or ``fp32`` (everything float32).
 
-- ``replicated``: today's 2-D layout (``specs=None``, ``fast_axis="fast"``):
-  every device holds the whole parameters, optimizer and compressor state
-  (worker axis of ``2 x 4`` over both mesh axes);
-- ``sharded``: FSDP over the fast axis (``specs=parallel.fsdp_specs(params, mesh)``):
-  parameters and state ``P("data", *spec)``, every large leaf split in 4 along
-  its largest dimension; compressors see whole layers (gathered over the fast
-  axis), so their temporaries are whole layers.
+**Steps**, each with the parameters and optimizer state donated (as in a
+training loop), each device one sequence of 1,024 tokens (``--batch-per-device``):
+
+- ``reference`` (method ``reference``, layout ``jit``): a MaxText-style step for
+  the same model and precision, no compjax: plain ``jax.jit`` of
+  ``value_and_grad`` + ``optax.adamw`` (dense), the parameters and AdamW
+  moments laid out by ``NamedSharding`` FSDP over the fast axis
+  (``parallel.fsdp_specs``) and replicated over the slow axis, the batch
+  sharded over both axes; XLA's sharding propagation inserts the gathers and
+  all-reduces the gradients over the slow axis (:func:`reference_step`);
+- :func:`compjax.parallel.data_parallel_step` in two layouts:
+  ``replicated`` (the 2-D layout, ``specs=None``, ``fast_axis="fast"``: every
+  device holds the whole parameters, optimizer and compressor state) and
+  ``sharded`` (FSDP over the fast axis, ``specs=parallel.fsdp_specs(params, mesh)``:
+  parameters and state ``P("data", *spec)``, every large leaf split along its
+  largest dimension).
 
 **Methods** (:data:`METHODS`): ``dense`` (``cj.identity`` then AdamW),
-``topk`` (``cj.topk(0.01)`` then AdamW), ``powersgd`` (rank 4, then AdamW),
-``dgc`` (``cj.dgc(0.001)`` then AdamW), ``streaming_diloco`` (``cj.diloco``
-with an AdamW inner optimizer, ``sync_every=100``, 4 fragments, overlap 1,
-4-bit ``cj.e3m0`` outer gradients).
+``topk`` (``cj.topk(0.01)`` then AdamW), ``sparseloco`` (``cj.sparseloco``:
+DiLoCo with an AdamW inner optimizer, ``sync_every=100``, chunk top-k outer
+gradients, 128 of each 64 x 64 tile with 2-bit statistical values, decayed
+error feedback), ``powersgd`` (rank 4, then AdamW), ``dgc`` (``cj.dgc(0.001)``
+then AdamW), ``streaming_diloco`` (``cj.diloco`` with an AdamW inner
+optimizer, ``sync_every=100``, 4 fragments, overlap 1, 4-bit ``cj.e3m0``
+outer gradients).
+
+**Configurations** (:data:`PLAN`, filtered by ``--sizes``, ``--meshes``,
+``--methods``): 125M, 1B and 8B on ``2 x 4`` (every method, both layouts); 8B
+on ``2 x 8`` (every method, sharded); 70B on ``2 x 32`` (dense, SparseLoCo
+and Streaming DiLoCo, sharded); the reference beside each size and mesh.
 
 **Numbers** per configuration (bytes of one device): ``argument`` (parameters,
 optimizer state and the batch), ``output``, ``alias`` (outputs written into
 donated arguments), ``temp`` (XLA's temporaries: activations kept for the
-backward pass, gradients, compressor temporaries), ``code`` (0 on XLA:CPU,
-whose thunk runtime reports none), and ``peak = argument + output - alias +
-temp``: what the compiled program allocates (its arguments, the outputs not
-written in place, and one temporary buffer that XLA's liveness-based buffer
-assignment sizes).  A
-configuration *fits* an 80 GB accelerator when ``peak <= 80e9`` bytes (74.5
+backward pass, gathered parameters, gradients, compressor temporaries),
+``code`` (0 on XLA:CPU, whose thunk runtime reports none), and ``peak =
+argument + output - alias + temp``: what the compiled program allocates (its
+arguments, the outputs not written in place, and one temporary buffer that
+XLA's liveness-based buffer assignment sizes); ``peak_vs_reference`` (peak over
+the reference's on the same size, mesh and precision) and ``temp_vs_argument``.
+A configuration *fits* an 80 GB accelerator when ``peak <= 80e9`` bytes (74.5
 GiB, a margin below an 80 GB H100's usable memory for the runtime and the
 framework).  Temporaries are XLA:CPU's: a GPU or TPU compiler fuses and
 schedules differently (and may rematerialize), so they are an estimate; the
-argument bytes are exact for any backend.
+argument bytes are exact for any backend.  :func:`targets` checks the
+configurations against the targets the sharded layout is built for.
 
-Writes ``memory.json`` and ``memory.md`` to ``runs/benchmarks`` (git-ignored),
-with ``--publish`` to ``experiments/results/benchmarks``, or to ``--out-dir``;
-the JSON holds every number, the command, provenance, the compile time of each
-configuration, the load average and the run's wall and CPU time.
+Writes ``memory.json``, ``memory.md`` and ``memory_peak.md`` to ``runs/benchmarks``
+(git-ignored), with ``--publish`` to ``experiments/results/benchmarks``, or to
+``--out-dir``; the JSON holds every number, the command, provenance, the
+compile time of each configuration, the load average and the run's wall and
+CPU time.
 """
 
 from __future__ import annotations
@@ -73,9 +98,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+#: Simulated CPU devices the default run needs: 70B on the 2 x 32 mesh.
+MAX_DEVICES = 64
+
 if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # 8 simulated CPU devices for the 2 x 4 mesh (before JAX starts).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # Simulated CPU devices for the largest mesh of the plan (before JAX starts).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MAX_DEVICES}"
                                " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
 
 import jax
@@ -91,7 +119,7 @@ from experiments import config_cli, records
 from experiments.lm import model as lm_model
 
 PROG = "python -m experiments.benchmarks.memory"
-SLOW, FAST = 2, 4
+SLOW, FAST = 2, 4  # the mesh of sizes outside PLAN (the tests' "tiny") and of the 1B argument target
 AXIS, FAST_AXIS = "data", "fast"
 VOCAB = 32_000
 #: Bytes an accelerator offers: 80 GB.
@@ -99,14 +127,22 @@ DEVICE_BYTES = 80 * 10**9
 GIB = 2**30
 
 #: Model sizes: :class:`experiments.lm.model.CharTransformer` keyword arguments (vocabulary :data:`VOCAB`).
+#: ``groups`` splits the stacked blocks (8B: every leaf under 2**31 elements, for top-k's and DGC's indices).
 SIZES: dict[str, dict] = {
     "125M": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024, "groups": 1},
     "1B": {"d_model": 2048, "n_layers": 18, "n_heads": 16, "seq_len": 1024, "groups": 1},
     "8B": {"d_model": 4096, "n_layers": 38, "n_heads": 32, "seq_len": 1024, "groups": 2},
+    # The 70B class: 64,965,722,112 parameters (80 layers of d 8192, as Llama-2-70B's depth and width); one
+    # group (its MLP kernels stack to 21.5e9 entries): for the methods without flat int32 indices.
+    "70B": {"d_model": 8192, "n_layers": 80, "n_heads": 64, "seq_len": 1024, "groups": 1},
     # For tests: about a second per compile on CPU.
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64, "groups": 1},
 }
 TINY_VOCAB = 512
+#: ``fp32``: parameters, compute and state in float32.  ``mixed``: float32 master parameters, AdamW moments
+#: and compressor state; the loss casts each parameter to bfloat16 where it is used (bfloat16 compute).
+PRECISIONS = ("mixed", "fp32")
+COMPUTE_DTYPE = {"fp32": jnp.float32, "mixed": jnp.bfloat16}
 
 
 def _adamw():
@@ -117,12 +153,27 @@ def _adamw():
 METHODS: dict[str, Callable[[str], optax.GradientTransformation]] = {
     "dense": lambda ax: optax.chain(cj.identity(axis_name=ax), _adamw()),
     "topk": lambda ax: optax.chain(cj.topk(0.01, axis_name=ax), _adamw()),
+    "sparseloco": lambda ax: cj.sparseloco(_adamw(), sync_every=100, k=128, chunk=64, value_bits=2, axis_name=ax),
     "powersgd": lambda ax: optax.chain(cj.powersgd(4, axis_name=ax), _adamw()),
     "dgc": lambda ax: optax.chain(cj.dgc(0.001, momentum=0.9, axis_name=ax), _adamw()),
     "streaming_diloco": lambda ax: cj.diloco(_adamw(), sync_every=100, fragments=4, overlap=1, alpha=0.5,
                                              compressor=cj.e3m0(axis_name=ax, skip_nonfinite=False), axis_name=ax),
 }
 LAYOUTS = ("replicated", "sharded")
+#: Methods that index a flattened layer with int32 (``cj.topk``, ``cj.dgc``): refused for a leaf of 2**31
+#: elements or more.  SparseLoCo's chunk top-k indexes within 64 x 64 tiles.
+FLAT_INDEX_METHODS = ("topk", "dgc")
+#: The method and layout names of the MaxText-style reference step's rows (:func:`reference_step`).
+REFERENCE, REFERENCE_LAYOUT = "reference", "jit"
+#: The default run: size -> ``[((slow, fast), methods (None: all of METHODS), layouts), ...]``; a size
+#: not named here runs every method in both layouts on ``SLOW x FAST``.  Each size and mesh also gets the
+#: reference step's row.
+PLAN: dict[str, list[tuple[tuple[int, int], tuple[str, ...] | None, tuple[str, ...]]]] = {
+    "125M": [((2, 4), None, LAYOUTS)],
+    "1B": [((2, 4), None, LAYOUTS)],
+    "8B": [((2, 4), None, LAYOUTS), ((2, 8), None, ("sharded",))],
+    "70B": [((2, 32), ("dense", "sparseloco", "streaming_diloco"), ("sharded",))],
+}
 #: XLA:CPU compiled for speed of compilation: LLVM at its lowest effort and the older (non-MLIR) fusion
 #: emitters.  The HLO passes and buffer assignment ``memory_analysis`` reads are unchanged: arguments, outputs
 #: and aliases equal to the byte and temporaries within 8 KB of 2.7 GB of the default options' (125M, dgc
@@ -148,8 +199,11 @@ def init_shapes(vocab: int, *, d_model: int, n_layers: int, n_heads: int, seq_le
         ln_f/{scale,bias} (d,)                   head/kernel (d, vocab)
 
     Stacking keeps the compiled step's size (and its compile time) independent
-    of the depth; groups keep every leaf under 2**31 elements (int32 indices in
-    the sparse compressors and in JAX's gathers).
+    of the depth; groups keep every leaf under 2**31 elements where a method
+    needs it (top-k's and DGC's int32 indices into a flattened layer: see
+    :data:`FLAT_INDEX_METHODS`).  Groups cost compile time (the 8B model in 19
+    groups took 16x longer to compile than in 2), so the 70B class is one group
+    and runs only the methods without flat indices.
 
     Raises:
       ValueError: ``groups`` does not divide ``n_layers``.
@@ -177,7 +231,7 @@ def _layer_norm(x, p, eps=1e-6):  # flax.nnx.LayerNorm's default epsilon
     return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
 
 
-def forward(params: dict, ids, *, n_heads: int, remat: bool = True):
+def forward(params: dict, ids, *, n_heads: int, remat: bool = True, compute_dtype=None):
     """Logits ``(B, T, vocab)`` of ``ids`` ``(B, T)``: :class:`experiments.lm.model.CharTransformer`'s computation.
 
     Token + learned position embeddings, pre-LayerNorm blocks (causal
@@ -185,13 +239,19 @@ def forward(params: dict, ids, *, n_heads: int, remat: bool = True):
     final LayerNorm and an untied head; the blocks run under ``jax.lax.scan``
     over each group of stacked block parameters, each block rematerialized in the
     backward pass with ``remat`` (only its input is kept: activation
-    checkpointing, as large models are trained).
+    checkpointing, as large models are trained).  With ``compute_dtype`` (e.g.
+    ``jnp.bfloat16``: mixed precision), each parameter is cast to it where it is
+    used (one layer's inside the scan, the embedding rows looked up, the head),
+    so activations and matmuls are in that dtype; the logits are in it too.
     """
     b, t = ids.shape
-    x = params["tok_embed"]["embedding"][ids] + params["pos_embed"]["embedding"][:t]
+    cast = (lambda tree: tree) if compute_dtype is None else (
+        lambda tree: jax.tree.map(lambda w: w.astype(compute_dtype), tree))
+    x = cast(params["tok_embed"]["embedding"][ids]) + cast(params["pos_embed"]["embedding"][:t])
     causal = jnp.tril(jnp.ones((t, t), bool))
 
     def block(x, p):
+        p = cast(p)  # this layer's compute copy
         d = x.shape[-1]
         h = n_heads
         y = _layer_norm(x, p["ln1"])
@@ -207,41 +267,56 @@ def forward(params: dict, ids, *, n_heads: int, remat: bool = True):
 
     for group in params["blocks"]:
         x, _ = jax.lax.scan(jax.checkpoint(block) if remat else block, x, group)
-    return _layer_norm(x, params["ln_f"]) @ params["head"]["kernel"]
+    return _layer_norm(x, cast(params["ln_f"])) @ cast(params["head"]["kernel"])
 
 
-def abstract_model(size: str, dtype=jnp.float32, vocab: int | None = None, remat: bool = True):
-    """``(params, loss_fn)``: abstract parameters (nothing allocated) and the LM loss.
+def abstract_model(size: str, precision: str = "mixed", vocab: int | None = None, remat: bool = True):
+    """``(params, loss_fn)``: abstract float32 parameters (nothing allocated) and the LM loss.
 
     Args:
       size: a key of :data:`SIZES`.
-      dtype: the parameters' dtype (float32 or bfloat16); the loss is float32.
+      precision: one of :data:`PRECISIONS`: the loss computes in float32 (``"fp32"``) or casts the
+        float32 parameters to bfloat16 where they are used (``"mixed"``); the loss itself is float32.
       vocab: vocabulary size (default :data:`VOCAB`, :data:`TINY_VOCAB` for ``"tiny"``).
       remat: rematerialize each block in the backward pass.
 
     Returns:
-      params: :func:`init_shapes`' tree of ``jax.ShapeDtypeStruct``.
+      params: :func:`init_shapes`' tree of float32 ``jax.ShapeDtypeStruct``.
       loss_fn: ``(params, windows (B, T + 1) int32) -> scalar`` mean next-token cross-entropy (nats).
+
+    Raises:
+      ValueError: ``size`` or ``precision`` unknown.
     """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     vocab = vocab or (TINY_VOCAB if size == "tiny" else VOCAB)
     cfg = SIZES[size]
-    params = init_shapes(vocab, **cfg, dtype=dtype)
+    params = init_shapes(vocab, **cfg, dtype=jnp.float32)
     count = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(params))
     expected = lm_model.num_params(vocab, **{k: v for k, v in cfg.items() if k != "groups"})
     if count != expected:  # the testbed's model, leaf for leaf
         raise AssertionError(f"{size}: {count:,} parameters, the testbed's CharTransformer has {expected:,}")
+    compute = None if precision == "fp32" else COMPUTE_DTYPE[precision]
 
     def loss_fn(p, windows):
-        logits = forward(p, windows[:, :-1], n_heads=cfg["n_heads"], remat=remat).astype(jnp.float32)
+        logits = forward(p, windows[:, :-1], n_heads=cfg["n_heads"], remat=remat,
+                         compute_dtype=compute).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
     return params, loss_fn
 
 
-def _structs(tree, specs, mesh, n):
-    """Worker-stacked ``ShapeDtypeStruct`` s: ``(n, *shape)`` with ``NamedSharding(mesh, spec)``."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=NamedSharding(mesh, s)),
-                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _structs(tree, specs, mesh, n=None):
+    """``ShapeDtypeStruct`` s with ``NamedSharding(mesh, spec)``: worker-stacked ``(n, *shape)`` unless ``n`` is None."""
+    lead = () if n is None else (n,)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=NamedSharding(mesh, s)),
+                        tree, specs, is_leaf=_is_spec)
 
 
 def _tree_bytes(tree) -> int:
@@ -249,48 +324,104 @@ def _tree_bytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def measure(size: str, method: str, layout: str, mesh, *, dtype=jnp.float32, batch_per_device: int = 1,
+def _whole_bytes(trees_and_specs) -> int:
+    """Bytes of the leaves whose spec shards nothing (held whole by every fast device)."""
+    return sum(_tree_bytes([x for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec))
+                            if all(e is None for e in tuple(s))]) for tree, specs in trees_and_specs)
+
+
+def reference_step(loss_fn, tx: optax.GradientTransformation, mesh, param_specs, state_specs, batch_spec):
+    """A MaxText-style train step: ``jax.jit`` with ``NamedSharding`` s, no compjax, no worker axis.
+
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)``: the
+    gradient of ``loss_fn`` over the whole (sharded) batch, then ``tx``.  The
+    parameters and optimizer state live at ``NamedSharding(mesh, spec)`` (FSDP
+    specs over the fast axis: replicated over the slow one), the batch at
+    ``batch_spec``; XLA's sharding propagation inserts the parameter gathers
+    and the gradient reductions (a reduce-scatter over the fast axis, an
+    all-reduce over the slow one).  Parameters and state are donated.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar``.
+      tx: the optimizer (dense AdamW here).
+      mesh: the ``slow x fast`` mesh.
+      param_specs, state_specs: trees of ``PartitionSpec`` like the parameters and ``tx.init(params)``.
+      batch_spec: the batch's ``PartitionSpec`` (e.g. ``P(("data", "fast"))``).
+
+    Returns:
+      The jitted step (``.lower(...)`` takes ``ShapeDtypeStruct`` s).
+    """
+    shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+    p_sh, s_sh = shard(param_specs), shard(state_specs)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, in_shardings=(p_sh, s_sh, NamedSharding(mesh, batch_spec)),
+                   out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+
+
+def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixed", batch_per_device: int = 1,
             vocab: int | None = None) -> dict:
     """Compile one configuration's training step from abstract inputs and read its memory analysis.
 
     Args:
       size: a key of :data:`SIZES`.
-      method: a key of :data:`METHODS`.
-      layout: ``"replicated"`` (``specs=None``) or ``"sharded"`` (``parallel.fsdp_specs``).
+      method: a key of :data:`METHODS`, or :data:`REFERENCE` (with ``layout`` :data:`REFERENCE_LAYOUT`:
+        :func:`reference_step` with dense AdamW).
+      layout: ``"replicated"`` (``specs=None``), ``"sharded"`` (``parallel.fsdp_specs``), or
+        :data:`REFERENCE_LAYOUT` for the reference.
       mesh: a ``slow x fast`` mesh (:func:`compjax.parallel.make_2d_mesh`), axes ``"data"`` and ``"fast"``.
-      dtype: the parameters' dtype.
+      precision: one of :data:`PRECISIONS` (see :func:`abstract_model`).
       batch_per_device: sequences of ``seq_len + 1`` tokens per device.
       vocab: vocabulary size (see :func:`abstract_model`).
 
     Returns:
-      A dict: ``params`` (count), the per-device bytes of the compiled step
+      A dict: ``size``, ``mesh`` (``"2x4"``), ``method``, ``layout``, ``precision``,
+      ``params`` (count), the per-device bytes of the compiled step
       (``argument``, ``output``, ``alias``, ``temp``, ``code``, ``peak``), the
       logical bytes (one worker, whole) of the parameters (``param_bytes``) and
       optimizer state (``state_bytes``), ``whole_state_bytes`` (per device: the
-      leaves held whole by every fast device in the sharded layout, the batch
-      included; 0 in the replicated one), ``fits`` and ``compile_s``.
+      leaves held whole by every fast device in a sharded layout, the batch
+      included; 0 in the replicated one), ``fits``, ``lower_s`` and ``compile_s``.
+
+    Raises:
+      ValueError: an unknown ``layout`` or ``method``, the reference's method with another layout, or a
+        method of :data:`FLAT_INDEX_METHODS` on a model with a leaf of 2**31 elements or more.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    params, loss_fn = abstract_model(size, dtype, vocab)
-    tx = METHODS[method](AXIS)
+    if (method == REFERENCE) != (layout == REFERENCE_LAYOUT):
+        raise ValueError(f"method {REFERENCE!r} goes with layout {REFERENCE_LAYOUT!r} and only with it, got "
+                         f"method={method!r}, layout={layout!r}")
+    if layout not in (*LAYOUTS, REFERENCE_LAYOUT):
+        raise ValueError(f"layout must be one of {(*LAYOUTS, REFERENCE_LAYOUT)}, got {layout!r}")
+    if method != REFERENCE and method not in METHODS:
+        raise ValueError(f"method must be {REFERENCE!r} or one of {list(METHODS)}, got {method!r}")
+    params, loss_fn = abstract_model(size, precision, vocab)
+    largest = max(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(params))
+    if method in FLAT_INDEX_METHODS and largest >= 2**31:
+        raise ValueError(f"method {method!r} indexes a flattened layer with int32 and {size}'s largest leaf has "
+                         f"{largest:,} elements (2**31 or more): split the blocks into more SIZES[{size!r}]['groups']")
+    tx = _adamw() if method == REFERENCE else METHODS[method](AXIS)
     state = jax.eval_shape(tx.init, params)
     slow, fast = mesh.shape[AXIS], mesh.shape[FAST_AXIS]
     seq = SIZES[size]["seq_len"]
     batch_spec = P((AXIS, FAST_AXIS))
     batch = jax.ShapeDtypeStruct((slow * fast * batch_per_device, seq + 1), jnp.int32,
                                  sharding=NamedSharding(mesh, batch_spec))
-    if layout == "sharded":
+    if layout == REFERENCE_LAYOUT:
         specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
         sspecs = parallel.state_specs(tx, params, specs, mesh)
-        stacked = lambda s: P(AXIS, *tuple(s))
-        p_in = _structs(params, jax.tree.map(stacked, specs, is_leaf=lambda x: isinstance(x, P)), mesh, slow)
-        s_in = _structs(state, jax.tree.map(stacked, sspecs, is_leaf=lambda x: isinstance(x, P)), mesh, slow)
-        whole = [x for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P)))
-                 if all(e is None for e in tuple(s))]
-        whole += [x for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
-                  if all(e is None for e in tuple(s))]
-        whole_bytes = _tree_bytes(whole) + _tree_bytes(batch) // (slow * fast)
+        p_in, s_in = _structs(params, specs, mesh), _structs(state, sspecs, mesh)
+        whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + _tree_bytes(batch) // (slow * fast)
+        step = reference_step(loss_fn, tx, mesh, specs, sspecs, batch_spec)
+    elif layout == "sharded":
+        specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
+        sspecs = parallel.state_specs(tx, params, specs, mesh)
+        stacked = lambda tree: jax.tree.map(lambda s: P(AXIS, *tuple(s)), tree, is_leaf=_is_spec)
+        p_in, s_in = _structs(params, stacked(specs), mesh, slow), _structs(state, stacked(sspecs), mesh, slow)
+        whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + _tree_bytes(batch) // (slow * fast)
         step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=FAST_AXIS, specs=specs,
                                            donate=True)
     else:
@@ -306,7 +437,7 @@ def measure(size: str, method: str, layout: str, mesh, *, dtype=jnp.float32, bat
     lower_s, compile_s = t1 - t0, time.perf_counter() - t1
     ma = compiled.memory_analysis()
     row = {
-        "size": size, "method": method, "layout": layout, "dtype": jnp.dtype(dtype).name,
+        "size": size, "mesh": f"{slow}x{fast}", "method": method, "layout": layout, "precision": precision,
         "params": int(sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(params))),
         "param_bytes": _tree_bytes(params), "state_bytes": _tree_bytes(state), "whole_state_bytes": whole_bytes,
         "argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
@@ -326,46 +457,134 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {first}{at}"
 
 
-def run(sizes, methods, layouts=LAYOUTS, *, dtype=jnp.float32, batch_per_device: int = 1, log=None) -> list[dict]:
-    """:func:`measure` for every size x method x layout on the ``2 x 4`` mesh; rows in that order.
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``.
+
+    Raises:
+      ValueError: not two positive integers joined by ``x``.
+    """
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a mesh is written SLOWxFAST with positive integers, e.g. 2x4; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def plan(sizes, methods=None, meshes=None) -> list[tuple[str, tuple[int, int], tuple[str, ...], tuple[str, ...]]]:
+    """The configurations to run: ``[(size, (slow, fast), methods, layouts), ...]`` from :data:`PLAN`.
+
+    Args:
+      sizes: keys of :data:`SIZES`; one outside :data:`PLAN` runs on ``SLOW x FAST``, every method, both layouts.
+      methods: keep only these methods of each entry (None: all).
+      meshes: keep only these ``(slow, fast)`` meshes (None: all of each size's).
+
+    Returns:
+      One tuple per size and mesh that has a method left, in :data:`PLAN`'s order of meshes.
+    """
+    out = []
+    for size in sizes:
+        for mesh, ms, lays in PLAN.get(size, [((SLOW, FAST), None, LAYOUTS)]):
+            if meshes is not None and mesh not in meshes:
+                continue
+            ms = tuple(m for m in (ms or METHODS) if methods is None or m in methods)
+            if ms:
+                out.append((size, mesh, ms, lays))
+    return out
+
+
+def run(configs, *, precision: str = "mixed", batch_per_device: int = 1, reference: bool = True,
+        log=None) -> list[dict]:
+    """:func:`measure` for every configuration of :func:`plan`: per size and mesh the reference, then each
+    method in each layout; rows in that order, with :func:`add_ratios`' columns.
 
     A configuration that fails to trace or compile gives a row with ``error``
     (the exception's type and first line) and no byte counts.
     """
-    mesh = parallel.make_2d_mesh(SLOW, FAST)
     rows = []
-    for size in sizes:
-        for method in methods:
-            for lay in layouts:
-                try:
-                    row = measure(size, method, lay, mesh, dtype=dtype, batch_per_device=batch_per_device)
-                except Exception as e:  # noqa: BLE001 - recorded in the row, not hidden: the configuration does not build
-                    row = {"size": size, "method": method, "layout": lay, "dtype": jnp.dtype(dtype).name,
-                           "error": _describe(e)}
-                rows.append(row)
-                if log and "error" in row:
-                    log(f"{size} {method} {lay}: fails: {row['error']}")
-                elif log:
-                    log(f"{size} {method} {lay}: argument {row['argument'] / GIB:.2f} GiB, temp "
-                        f"{row['temp'] / GIB:.2f} GiB, peak {row['peak'] / GIB:.2f} GiB, compile {row['compile_s']:.1f} s")
+    for size, (slow, fast), methods, layouts in configs:
+        mesh = parallel.make_2d_mesh(slow, fast)
+        todo = [(REFERENCE, REFERENCE_LAYOUT)] if reference else []
+        todo += [(m, lay) for m in methods for lay in layouts]
+        for method, lay in todo:
+            try:
+                row = measure(size, method, lay, mesh, precision=precision, batch_per_device=batch_per_device)
+            except Exception as e:  # noqa: BLE001 - recorded in the row, not hidden: the configuration does not build
+                row = {"size": size, "mesh": f"{slow}x{fast}", "method": method, "layout": lay,
+                       "precision": precision, "error": _describe(e)}
+            rows.append(row)
+            if log and "error" in row:
+                log(f"{size} {slow}x{fast} {method} {lay}: fails: {row['error']}")
+            elif log:
+                log(f"{size} {slow}x{fast} {method} {lay}: argument {row['argument'] / GIB:.2f} GiB, temp "
+                    f"{row['temp'] / GIB:.2f} GiB, peak {row['peak'] / GIB:.2f} GiB, compile {row['compile_s']:.1f} s")
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set ``peak_vs_reference`` (peak / the reference row's of the same size, mesh and precision; None
+    without one) and ``temp_vs_argument`` on every row that built; returns ``rows``."""
+    refs = {(r["size"], r["mesh"], r["precision"]): r for r in rows if r["method"] == REFERENCE and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            continue
+        ref = refs.get((r["size"], r["mesh"], r["precision"]))
+        r["peak_vs_reference"] = r["peak"] / ref["peak"] if ref else None
+        r["temp_vs_argument"] = r["temp"] / r["argument"]
     return rows
 
 
+#: Targets of the sharded layout (the published configuration: mixed precision): (name, size, mesh).
+FIT_SIZE, FIT_MESH = "8B", "2x4"
+BIG_SIZE, BIG_METHODS = "70B", ("sparseloco", "streaming_diloco")
+REFERENCE_BOUND, TEMP_BOUND = 1.10, 0.25
+
+
 def targets(rows: list[dict], size: str = "1B") -> list[dict]:
-    """Sharded argument bytes per device <= replicated / fast + 5%, for every method at ``size``."""
+    """The targets the sharded layout is built for, checked on the rows present.
+
+    - sharded ``size`` argument bytes per device <= replicated / fast + 5%, every method (on ``SLOW x FAST``);
+    - at :data:`FIT_SIZE` on :data:`FIT_MESH`, sharded: every method's peak fits (<= :data:`DEVICE_BYTES`),
+      dense's peak <= :data:`REFERENCE_BOUND` x the reference's, every method's temporaries <=
+      :data:`TEMP_BOUND` x its arguments;
+    - at :data:`BIG_SIZE`, sharded, on whatever mesh was run: SparseLoCo and Streaming DiLoCo fit.
+
+    Returns:
+      ``[{"target", "method", "mesh", "measured", "bound", "met"}, ...]``; a configuration
+      that failed to build has ``measured`` None and is not met.
+    """
     out = []
-    by = {(r["size"], r["method"], r["layout"]): r for r in rows}
-    for (s, m, lay), r in by.items():
-        if s != size or lay != "sharded" or (s, m, "replicated") not in by:
+    mesh0 = f"{SLOW}x{FAST}"
+    by = {(r["size"], r["mesh"], r["method"], r["layout"]): r for r in rows}
+
+    def add(name, r, measured, bound, mesh):
+        ok = r is not None and "error" not in r and measured is not None
+        out.append({"target": name, "method": r["method"], "mesh": mesh, "measured": measured if ok else None,
+                    "bound": bound, "met": bool(ok and measured <= bound)})
+
+    for (s, mesh, m, lay), r in by.items():
+        rep = by.get((s, mesh, m, "replicated"))
+        if s != size or mesh != mesh0 or lay != "sharded" or rep is None:
             continue
-        if "error" in r or "error" in by[(s, m, "replicated")]:
-            out.append({"target": f"sharded {size} argument bytes <= replicated / {FAST} + 5%", "method": m,
-                        "measured": None, "bound": 1.05 / FAST, "met": False})
-            continue
-        rep = by[(s, m, "replicated")]["argument"]
-        ratio = r["argument"] / rep
-        out.append({"target": f"sharded {size} argument bytes <= replicated / {FAST} + 5%", "method": m,
-                    "measured": ratio, "bound": 1.05 / FAST, "met": r["argument"] <= rep / FAST * 1.05})
+        ok = "error" not in r and "error" not in rep
+        add(f"sharded {size} argument bytes <= replicated / {FAST} + 5%", r,
+            r["argument"] / rep["argument"] if ok else None, 1.05 / FAST, mesh)
+    for (s, mesh, m, lay), r in by.items():
+        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded"):
+            add(f"{FIT_SIZE} sharded peak GiB <= {DEVICE_BYTES / GIB:.1f}", r, r.get("peak", 0) / GIB,
+                DEVICE_BYTES / GIB, mesh)
+    for (s, mesh, m, lay), r in by.items():
+        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded") and m == "dense":
+            ref = by.get((s, mesh, REFERENCE, REFERENCE_LAYOUT))
+            ok = "error" not in r and ref is not None and "error" not in ref
+            add(f"{FIT_SIZE} dense sharded peak / reference peak <= {REFERENCE_BOUND:.2f}", r,
+                r["peak"] / ref["peak"] if ok else None, REFERENCE_BOUND, mesh)
+    for (s, mesh, m, lay), r in by.items():
+        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded"):
+            add(f"{FIT_SIZE} sharded temporaries / arguments <= {TEMP_BOUND:.2f}", r, r.get("temp_vs_argument"),
+                TEMP_BOUND, mesh)
+    for (s, mesh, m, lay), r in by.items():
+        if s == BIG_SIZE and lay == "sharded" and m in BIG_METHODS:
+            add(f"{BIG_SIZE} sharded peak GiB <= {DEVICE_BYTES / GIB:.1f}", r, r.get("peak", 0) / GIB,
+                DEVICE_BYTES / GIB, mesh)
     return out
 
 
@@ -373,63 +592,111 @@ def _gib(x: int) -> str:
     return f"{x / GIB:,.2f}"
 
 
+def _columns(rows) -> list[tuple[str, str]]:
+    """The (size, mesh) pairs of ``rows``, in order."""
+    return list(dict.fromkeys((r["size"], r["mesh"]) for r in rows))
+
+
 def summary(rows: list[dict]) -> list[str]:
-    """The short table: per-device peak GiB of each method, replicated -> sharded, per model size (fits or not)."""
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
-    by = {(r["size"], r["method"], r["layout"]): r for r in rows}
-    mark = lambda r: "fails¹" if "error" in r else f"{r['peak'] / GIB:,.1f}" + ("" if r["fits"] else " ✗")
+    """The short table: per-device peak GiB of each method, sharded (and the reference), per size and mesh,
+    with the ratio to the reference's peak (✗: does not fit)."""
+    cols = _columns(rows)
+    by = {(r["size"], r["mesh"], r["method"], r["layout"]): r for r in rows}
     params = {r["size"]: r["params"] for r in rows if "params" in r}
-    lines = ["| method | " + " | ".join(f"{s} ({params[s] / 1e9:.2f}B) replicated → sharded" for s in sizes) + " |",
-             "|---|" + "---|" * len(sizes)]
-    for m in dict.fromkeys(r["method"] for r in rows):
-        cells = []
-        for s in sizes:
-            rep, sh = by.get((s, m, "replicated")), by.get((s, m, "sharded"))
-            cells.append(" → ".join(mark(r) if r else "—" for r in (rep, sh)))
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+
+    def cell(r):
+        if r is None:
+            return "—"
+        if "error" in r:
+            return "fails¹"
+        ratio = r.get("peak_vs_reference")
+        text = f"{r['peak'] / GIB:,.1f}" + ("" if r["fits"] else " ✗")
+        return text + (f" ({ratio:.2f}×)" if ratio is not None and r["method"] != REFERENCE else "")
+
+    head = [f"{s} ({params[s] / 1e9:.2f}B) {mesh}" if s in params else f"{s} {mesh}" for s, mesh in cols]
+    lines = ["| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for m in sorted(methods, key=lambda m: m != REFERENCE):
+        lay = REFERENCE_LAYOUT if m == REFERENCE else "sharded"
+        name = "reference (jit + NamedSharding, AdamW)" if m == REFERENCE else m
+        cells = [cell(by.get((s, mesh, m, lay))) for s, mesh in cols]
+        if any(c != "—" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def verdict(result: dict) -> str:
+    """One paragraph: which targets every configuration meets and which configurations miss which target."""
+    tg = result.get("targets") or []
+    if not tg:
+        return "No target applies to the configurations run."
+    names = list(dict.fromkeys(t["target"] for t in tg))
+    parts = []
+    for name in names:
+        ts = [t for t in tg if t["target"] == name]
+        missed = [t for t in ts if not t["met"]]
+        if not missed:
+            parts.append(f"met by all {len(ts)} ({', '.join(t['method'] for t in ts)})")
+            continue
+        fmt = lambda t: (f"{t['method']} on {t['mesh']} (does not build)" if t["measured"] is None else
+                         f"{t['method']} on {t['mesh']} ({t['measured']:.2f})")
+        parts.append(f"missed by {len(missed)} of {len(ts)}: " + ", ".join(fmt(t) for t in missed))
+    body = "; ".join(f"*{n}*: {p}" for n, p in zip(names, parts))
+    met = sum(t["met"] for t in tg)
+    return f"Targets ({result.get('precision', '')} precision): {met} of {len(tg)} met. {body}."
 
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
     load = result.get("loadavg", {})
+    prec = result.get("precision", "fp32")
+    prec_text = ("float32 master parameters, AdamW moments and compressor state, bfloat16 compute (each parameter "
+                 "cast where the loss uses it)" if prec == "mixed" else "float32 parameters, state and compute")
+    meshes = ", ".join(dict.fromkeys(r["mesh"].replace("x", " x ") for r in rows))
     lines = [
         f"Command: `{result['command']}`  ",
-        (f"Mesh: {SLOW} x {FAST} simulated CPU devices (jax {result['machine']['jax']}); parameters in "
-         f"{result['dtype']}, AdamW moments in the same dtype; {result['batch_per_device']} sequence(s) of "
-         f"{{seq_len}} + 1 tokens per device; parameters and optimizer state donated.  "),
+        (f"Meshes: {meshes} simulated CPU devices (jax {result['machine']['jax']}); precision `{prec}`: "
+         f"{prec_text}; {result['batch_per_device']} sequence(s) of {{seq_len}} + 1 tokens per device; parameters "
+         "and optimizer state donated.  "),
         (f"Fits: peak <= {DEVICE_BYTES / 1e9:g} GB ({DEVICE_BYTES / GIB:.1f} GiB) per device.  Per-device GiB "
-         "from `compiled.memory_analysis()` (XLA:CPU's buffer assignment; temporaries on GPU/TPU differ).  "),
+         "from `compiled.memory_analysis()` (XLA:CPU's buffer assignment; temporaries on GPU/TPU differ).  "
+         "Reference: a MaxText-style step for the same model (plain `jax.jit`, parameters and AdamW moments "
+         "`NamedSharding`-sharded over the fast axis, batch over both axes, dense AdamW, no compjax).  "),
         (f"Load average before {', '.join(f'{x:.2f}' for x in load.get('before', []))}, after "
          f"{', '.join(f'{x:.2f}' for x in load.get('after', []))}; run took {result.get('wall_s', 0):.0f} s "
          f"({result.get('cpu_s', 0):.0f} s of CPU time)."),
         "",
+        verdict(result),
+        "",
     ]
     if result.get("targets"):
-        lines += ["| target | method | sharded / replicated | bound | met |", "|---|---|---|---|---|"]
+        lines += ["| target | method | mesh | measured | bound | met |", "|---|---|---|---|---|---|"]
         for t in result["targets"]:
             measured = "fails" if t["measured"] is None else f"{t['measured']:.4f}"
-            lines.append(f"| {t['target']} | {t['method']} | {measured} | {t['bound']:.4f} | "
+            lines.append(f"| {t['target']} | {t['method']} | {t['mesh']} | {measured} | {t['bound']:.4f} | "
                          f"{'yes' if t['met'] else 'no'} |")
         lines.append("")
-    lines += [f"Peak GiB per device, replicated → sharded (✗: over {DEVICE_BYTES / 1e9:g} GB):", "",
-              *summary(rows), ""]
+    lines += [f"Peak GiB per device, sharded, and its ratio to the reference's (✗: over {DEVICE_BYTES / 1e9:g} GB):",
+              "", *summary(rows), ""]
     errors = list(dict.fromkeys(r["error"] for r in rows if "error" in r))
     if errors:
         lines += ["¹ the step does not build: " + "; ".join(f"`{e}`" for e in errors), ""]
     models = {r["size"]: r["params"] for r in rows if "params" in r}
     lines += ["Models: " + ", ".join(f"{s}: {n:,} parameters ({SIZES[s]['n_layers']} layers, d "
                                      f"{SIZES[s]['d_model']})" for s, n in models.items()), "",
-              ("| model | method | layout | argument GiB | output GiB | aliased GiB | temp GiB | code MiB | peak GiB "
-               "| fits 80 GB | lower s | compile s |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              ("| model | mesh | method | layout | argument GiB | output GiB | aliased GiB | temp GiB | peak GiB "
+               "| fits 74.5 GiB | peak / reference | temp / argument | lower s | compile s |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['method']} | {r['layout']} | fails: {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['size']} | {r['mesh']} | {r['method']} | {r['layout']} | fails: {r['error']} |"
+                         + " |" * 9)
             continue
-        lines.append(f"| {r['size']} | {r['method']} | {r['layout']} | {_gib(r['argument'])} | {_gib(r['output'])} | "
-                     f"{_gib(r['alias'])} | {_gib(r['temp'])} | {r['code'] / 2**20:.1f} | {_gib(r['peak'])} | "
-                     f"{'yes' if r['fits'] else 'no'} | {r['lower_s']:.1f} | {r['compile_s']:.1f} |")
+        ratio = r.get("peak_vs_reference")
+        lines.append(f"| {r['size']} | {r['mesh']} | {r['method']} | {r['layout']} | {_gib(r['argument'])} | "
+                     f"{_gib(r['output'])} | {_gib(r['alias'])} | {_gib(r['temp'])} | {_gib(r['peak'])} | "
+                     f"{'yes' if r['fits'] else 'no'} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+                     f"{r['temp_vs_argument']:.2f} | {r['lower_s']:.1f} | {r['compile_s']:.1f} |")
     seqs = dict.fromkeys(str(SIZES[s]["seq_len"]) for s in models)
     return "\n".join(lines).replace("{seq_len}", "/".join(seqs)) + "\n"
 
@@ -437,9 +704,13 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="125M,1B,8B", help=f"comma-separated, of {list(SIZES)}")
+    p.add_argument("--sizes", default=",".join(PLAN), help=f"comma-separated, of {list(SIZES)}")
+    p.add_argument("--meshes", default=None,
+                   help="comma-separated SLOWxFAST meshes to keep of each size's (default: all of PLAN's)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the parameters' dtype")
+    p.add_argument("--precision", default="mixed", choices=PRECISIONS,
+                   help="mixed: float32 master parameters and state, bfloat16 compute; fp32: all float32")
+    p.add_argument("--no-reference", action="store_true", help="skip the MaxText-style reference rows")
     p.add_argument("--batch-per-device", type=int, default=1, help="sequences per device")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite memory.md and memory_peak.md from the memory.json already in the output folder")
@@ -455,18 +726,27 @@ def main(argv=None) -> dict:
         bad = [x for x in given if x not in known]
         if bad:
             p.error(f"{name}: unknown {bad}, known {list(known)}")
-    if jax.device_count() < SLOW * FAST:
-        p.error(f"needs {SLOW * FAST} devices, found {jax.device_count()} "
-                "(XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts)")
+    try:
+        meshes = None if args.meshes is None else [parse_mesh(m) for m in args.meshes.split(",")]
+    except ValueError as e:
+        p.error(f"--meshes: {e}")
+    configs = plan(sizes, methods, meshes)
+    if not configs:
+        p.error("no configuration left: --sizes, --meshes and --methods select nothing of PLAN")
+    need = max(s * f for _, (s, f), _, _ in configs)
+    if jax.device_count() < need:
+        p.error(f"needs {need} devices, found {jax.device_count()} "
+                f"(XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts)")
     out_dir = records.output_dir(args, "benchmarks")
     command = " ".join([PROG, *argv])
     load_before, t0, c0 = os.getloadavg(), time.perf_counter(), time.process_time()
-    rows = run(sizes, methods, dtype=jnp.dtype(args.dtype), batch_per_device=args.batch_per_device,
-               log=lambda s: print(s, file=sys.stderr, flush=True))
-    result = {"command": command, "dtype": args.dtype, "batch_per_device": args.batch_per_device,
-              "mesh": {"slow": SLOW, "fast": FAST}, "device_bytes": DEVICE_BYTES, "vocab": VOCAB,
+    rows = run(configs, precision=args.precision, batch_per_device=args.batch_per_device,
+               reference=not args.no_reference, log=lambda s: print(s, file=sys.stderr, flush=True))
+    result = {"command": command, "precision": args.precision, "batch_per_device": args.batch_per_device,
+              "meshes": sorted({r["mesh"] for r in rows}), "device_bytes": DEVICE_BYTES, "vocab": VOCAB,
               "sizes": {s: SIZES[s] for s in sizes}, "methods": methods,
-              "machine": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count()},
+              "machine": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+                          "devices": jax.device_count()},
               "rows": rows, "targets": targets(rows)}
     result["provenance"] = records.provenance(command)
     result["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
@@ -478,7 +758,7 @@ def main(argv=None) -> dict:
 
 
 def write_markdown(result: dict, out_dir: Path) -> str:
-    """Write ``memory.md`` (everything) and ``memory_peak.md`` (the README's peak table) from ``result``."""
+    """Write ``memory.md`` (everything) and ``memory_peak.md`` (the sharded page's peak table) from ``result``."""
     md = markdown(result)
     (out_dir / "memory.md").write_text(md)
     (out_dir / "memory_peak.md").write_text("\n".join(summary(result["rows"])) + "\n")
