@@ -34,7 +34,8 @@ def result(tmp_path_factory):
     res = memory.main(["--sizes", "tiny", "--methods", ",".join(RUN_METHODS), "--out-dir", str(out)])
     peak = (out / "memory_peak.md").read_text()
     data = json.loads((out / "memory.json").read_text())
-    assert peak == "\n".join(memory.summary(data["rows"])) + "\n" and "×" in peak  # the sharded page's table
+    # the sharded page's table and paragraph
+    assert peak == "\n".join([*memory.summary(data["rows"]), "", memory.verdict(data)]) + "\n" and "×" in peak
     return res, data, (out / "memory.md").read_text()
 
 

@@ -757,11 +757,17 @@ def main(argv=None) -> dict:
     return result
 
 
+def peak_table(result: dict) -> str:
+    """``memory_peak.md``: :func:`summary`'s table, a blank line and :func:`verdict`'s paragraph."""
+    return "\n".join([*summary(result["rows"]), "", verdict(result)]) + "\n"
+
+
 def write_markdown(result: dict, out_dir: Path) -> str:
-    """Write ``memory.md`` (everything) and ``memory_peak.md`` (the sharded page's peak table) from ``result``."""
+    """Write ``memory.md`` (everything) and ``memory_peak.md`` (the sharded page's peak table, then
+    :func:`verdict`'s paragraph) from ``result``."""
     md = markdown(result)
     (out_dir / "memory.md").write_text(md)
-    (out_dir / "memory_peak.md").write_text("\n".join(summary(result["rows"])) + "\n")
+    (out_dir / "memory_peak.md").write_text(peak_table(result))
     print(f"wrote {out_dir}/memory.{{json,md}} and memory_peak.md", file=sys.stderr)
     return md
 
