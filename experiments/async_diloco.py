@@ -38,6 +38,7 @@ one host (several terminals); across hosts they need a transport that binds othe
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -140,6 +141,8 @@ def run_syncer(args) -> dict:
     carried = {"contributions": 0, "replies": 0, "welcomes": [], "released": 0, "control": 0, "tokens": 0.0,
                "pulls": 0}
 
+    unreachable: set = set()  # learners whose last transfer failed (killed): refused without a pull
+
     def nbytes(arrays) -> int:
         return int(sum(np.asarray(x).nbytes for x in arrays))
 
@@ -147,6 +150,7 @@ def run_syncer(args) -> dict:
         """The syncer, counting the global values each (re)joining learner is sent."""
 
         def register(self, name, *, now=None):
+            unreachable.discard(name)
             start = super().register(name, now=now)
             carried["welcomes"].append([time.time(), name, sum(nbytes(v) for v in start.values)])
             return start
@@ -179,9 +183,15 @@ def run_syncer(args) -> dict:
             carried["control"] += control_bytes("header", h)
             self.last = record
 
-            def pull(inner_pull=incoming.pull):
+            def pull(inner_pull=incoming.pull, name=h.learner):
                 record["pulled"] = True
-                values = inner_pull()
+                if name in unreachable:  # its last transfer failed: a dead process, until it says hello again
+                    raise ConnectionError(f"learner {name!r}'s last transfer failed; not pulled until it rejoins")
+                try:
+                    values = bounded_pull(inner_pull, args.pull_timeout_s)
+                except Exception:
+                    unreachable.add(name)
+                    raise
                 carried["contributions"] += nbytes(values)
                 carried["tokens"] += float(h.tokens)
                 carried["pulls"] += 1
@@ -196,7 +206,10 @@ def run_syncer(args) -> dict:
             self.inner.reply(reply)
 
     names = [learner_name(i) for i in range(args.learners)]
-    syncer = CountingSyncer(params, learners=names, fragments=args.fragments,
+    extra = {}
+    if "compressor" in inspect.signature(Syncer).parameters:  # a syncer that decodes the learners' payloads
+        extra["compressor"] = make_compressor(args.compressor)
+    syncer = CountingSyncer(params, learners=names, fragments=args.fragments, **extra,
                             outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True), min_quorum=quorum(args),
                             grace_s=None if args.lockstep else args.grace_s,
                             max_staleness=0 if args.lockstep else args.max_staleness,
@@ -234,6 +247,34 @@ def run_syncer(args) -> dict:
     return result
 
 
+def bounded_pull(pull, timeout: float) -> tuple:
+    """``pull()`` and the arrays it returns, received as NumPy arrays within ``timeout`` seconds.
+
+    The multi-process transport bounds the pull call, but its arrays arrive asynchronously; a
+    learner killed in the middle of a transfer would leave the syncer waiting for them forever
+    (holding its lock).  Here the whole receive runs on a helper thread: past ``timeout`` a
+    ``TimeoutError`` refuses that contribution (the helper thread stays behind, blocked).
+    """
+    import numpy as np
+
+    box: dict = {}
+
+    def receive():
+        try:
+            box["values"] = tuple(np.asarray(x) for x in pull())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the syncer's thread
+            box["error"] = e
+
+    t = threading.Thread(target=receive, daemon=True, name="bounded-pull")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"the contribution's arrays did not arrive within {timeout} s (its learner died?)")
+    if "error" in box:
+        raise box["error"]
+    return box["values"]
+
+
 def control_bytes(kind: str, msg) -> int:
     """The JSON bytes of a ``header`` or ``reply`` control frame of the multi-process transport (estimated).
 
@@ -266,6 +307,62 @@ def wait_for(path: str | None, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
+def prefetching(transport):
+    """``transport`` (a learner's side) with its replies received on a background thread.
+
+    :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>` pulls a reply's
+    arrays on the thread that polls, which for a :class:`~compjax.decoupled.Learner` is its training
+    thread: on a slow link every merged fragment would stall the inner steps for its transfer.  The
+    wrapper polls from a thread of its own and hands the learner replies already received, so the
+    transfer overlaps the inner steps as the sends do.
+    """
+    import queue
+
+    from compjax.decoupled import Transport
+
+    class Prefetching(Transport):
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+            self._replies: queue.Queue = queue.Queue()
+            self._closed = threading.Event()
+            self._thread: threading.Thread | None = None
+
+        def join(self, timeout=None):
+            start = self.inner.join(timeout=timeout)
+            self._thread = threading.Thread(target=self._receive, daemon=True, name=f"prefetch-{self.name}")
+            self._thread.start()
+            return start
+
+        def _receive(self):
+            while not self._closed.is_set():
+                reply = self.inner.poll(self.name, timeout=0.1)
+                if reply is not None:
+                    self._replies.put(reply)
+
+        def send(self, contribution):
+            self.inner.send(contribution)
+
+        def poll(self, learner, timeout=0.0):
+            try:
+                return self._replies.get(block=timeout is None or timeout > 0, timeout=timeout)
+            except queue.Empty:
+                return None
+
+        def receive(self, timeout=0.0):  # pragma: no cover - the syncer's side
+            return self.inner.receive(timeout)
+
+        def reply(self, reply):  # pragma: no cover - the syncer's side
+            self.inner.reply(reply)
+
+        def close(self):
+            self._closed.set()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self.inner.close()
+
+    return Prefetching(transport)
+
+
 def run_learner(args) -> dict:
     """Join the syncer, take ``--steps`` inner steps (or until ``--stop-file``), finish, write ``learner<i>.json``."""
     import jax
@@ -290,7 +387,7 @@ def run_learner(args) -> dict:
 
     tokens_per_step = args.batch * args.seq_len
     batch = lambda step: data.batch_at(train, step, 1, args.batch, args.seq_len, seed=args.seed * 1000 + args.index)[0]
-    transport = MultiProcessTransport.for_learner(name, args.address)
+    transport = prefetching(MultiProcessTransport.for_learner(name, args.address))
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
                       wait_for_merge=args.lockstep, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)
@@ -325,8 +422,9 @@ def run_learner(args) -> dict:
     result = {"role": "learner", "name": name, "index": args.index, "steps": learner.count,
               "tokens": learner.count * tokens_per_step, "wall_s": wall, "loop_s": t_loop, "started": wall0,
               "step_s": st.step_seconds, "wait_s": st.wait_seconds, "sleep_s": sleep_s,
-              "goodput": st.step_seconds / wall if wall > 0 else float("nan"),
-              "tokens_per_s": learner.count * tokens_per_step / wall if wall > 0 else float("nan"),
+              "goodput": st.step_seconds / t_loop if t_loop > 0 else float("nan"),
+              "goodput_with_drain": st.step_seconds / wall if wall > 0 else float("nan"), "drain_s": wall - t_loop,
+              "tokens_per_s": learner.count * tokens_per_step / t_loop if t_loop > 0 else float("nan"),
               "bytes_sent": list(st.bytes_sent), "sends": list(st.sends), "delays": [list(d) for d in st.delays],
               "refusals": [list(r) for r in st.refusals], "start_versions": list(start.versions),
               "final_train_loss": float(np.mean(losses[-args.log_every:])) if losses else None}
@@ -349,7 +447,7 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--staleness-decay", str(args.staleness_decay), "--alpha", str(args.alpha),
          "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
-         "--log-every", str(args.log_every)]
+         "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s)]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.lockstep:
@@ -460,6 +558,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=50, help="a learner's progress line every this many steps")
     ap.add_argument("--index", type=int, default=0, help="(learner) its index: name learner<index>, its data")
     ap.add_argument("--name", default=None, help="(learner) its name, default learner<index>")
+    ap.add_argument("--pull-timeout-s", type=float, default=10.0,
+                    help="(syncer) the longest wait for one contribution's arrays (a longer one is refused)")
     ap.add_argument("--reply-timeout-s", type=float, default=300.0, help="(learner) the longest wait for one reply")
     ap.add_argument("--join-timeout-s", type=float, default=300.0, help="(learner) the longest wait for the welcome")
     ap.add_argument("--slowdown", type=float, default=0.0,

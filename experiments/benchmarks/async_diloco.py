@@ -14,7 +14,8 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
   learner, no grace limit, and each learner waits for its merged fragment before its next inner step
   (these settings compute :func:`compjax.diloco`'s global parameters; ``tests/test_decoupled_equivalence.py``);
 * **async**: the asynchronous system: sends overlap the next inner steps, ``min_quorum`` = 3 of 4, a
-  5 s grace window, ``max_staleness`` 4, ``alpha`` 0.5 (the launcher's defaults);
+  2 s grace window (about a third of the time between two sends of a fragment here), ``max_staleness``
+  4 with the weights discounted by ``exp(-0.5 tau)``, ``alpha`` 0.5;
 * both at 10 and 100 Mbit/s;
 * **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
   slower); it stops when the others are done;
@@ -27,9 +28,12 @@ namespace (``unshare -n``) whose loopback has a 1500-byte MTU and a token bucket
 replies included, cross that one bucket.  Where that is not permitted the script says so in one line
 and exits 0.  ``--quick`` runs 2 learners on the loopback as it is (no namespace, no kernel bytes).
 
-**Measured**, per learner: *goodput*, the fraction of its wall time (first inner step to the end of
-:meth:`~compjax.decoupled.Learner.finish`) spent inside inner steps (``stats.step_seconds``; a straggler's
-idling is not a step); tokens/s; the bytes counted for its contributions
+**Measured**, per learner: *goodput*, the fraction of its wall time from its first inner step to the end
+of its last spent inside inner steps (``stats.step_seconds``; a straggler's idling is not a step; a lock-step
+learner's last step includes the wait for its last merge), and beside it the *drain*, the wait in
+:meth:`~compjax.decoupled.Learner.finish` for the replies still in flight after the last step (the end of
+a finite run: a learner that goes on training never drains), with the goodput counting it too; tokens/s over
+the same wall time; the bytes counted for its contributions
 (:func:`compjax.decoupled.message_bytes`, the compressor's message size).  Per row: the validation loss of
 the global model (the syncer's global parameters, on fixed windows of the validation split) over the run
 and at its end; the bytes the transport *carried* (the syncer's side: the arrays of every contribution it
@@ -82,7 +86,8 @@ RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
 
 #: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
 FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
-        "seq_len": 64, "grace_s": 5.0, "max_staleness": 4, "alpha": 0.5, "heartbeat_timeout_s": 5.0,
+        "seq_len": 64, "grace_s": 2.0, "max_staleness": 4, "staleness_decay": 0.5, "alpha": 0.5,
+        "heartbeat_timeout_s": 5.0,
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
 
@@ -249,6 +254,8 @@ def summarize(row: dict) -> dict:
         "name": row["name"], "rate": row["rate"], "mode": row["mode"],
         "goodput": {r["name"]: r["goodput"] for r in live},
         "goodput_min": min(r["goodput"] for r in main), "goodput_mean": statistics.fmean(r["goodput"] for r in main),
+        "goodput_with_drain_min": min(r.get("goodput_with_drain", r["goodput"]) for r in main),
+        "drain_s_mean": statistics.fmean(r.get("drain_s", 0.0) for r in main),
         "tokens_per_s": {r["name"]: r["tokens_per_s"] for r in live},
         "tokens_per_s_mean": statistics.fmean(r["tokens_per_s"] for r in main),
         "tokens": tokens, "steps": {r["name"]: r["steps"] for r in row["learners"]},
@@ -332,17 +339,19 @@ def to_markdown(report: dict) -> str:
              "| target | measured | met |", "|---|---|---|"]
     for t in report["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
-    lines += ["", ("| row | goodput (min / mean) | tokens/s per learner | tokens | global val loss | merges | "
+    lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
               "refused | lost | counted MB | carried MB | kernel MB | kernel / (carried + framing) | wall s |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         ratio = f"{r['kernel_ratio']:.3f}" if "kernel_ratio" in r else ""
         lines.append(
-            f"| {r['name']} | {r['goodput_min']:.1%} / {r['goodput_mean']:.1%} | {r['tokens_per_s_mean']:,.0f} | "
+            f"| {r['name']} | {r['goodput_min']:.1%} / {r['goodput_mean']:.1%} | {r['goodput_with_drain_min']:.1%} | "
+            f"{r['drain_s_mean']:.1f} | {r['tokens_per_s_mean']:,.0f} | "
             f"{r['tokens']:,} | {r['val_loss']:.4f} | {r['merges']} | {r['refused']} | {', '.join(r['lost']) or '-'} | "
             f"{_mb(r['counted_bytes'])} | {_mb(r['carried_bytes'])} | {_mb(r.get('kernel_bytes'))} | {ratio} | "
             f"{r['duration_s']:.0f} |")
-    lines += ["", ("Goodput: the fraction of a learner's wall time inside inner steps (the straggler row: the other "
+    lines += ["", ("Goodput: the fraction of a learner's wall time from its first to its last inner step spent inside them "
+              "(with drain: counting the final wait for the replies in flight too; the straggler row: the other "
               "learners; the fault row: the learners that ran to the end, the joiner left out). Counted: the "
               "compressor's message bytes of every contribution (`compjax.decoupled.message_bytes`). Carried: the "
               "arrays the transport moved (contributions pulled, replies and welcomes, offers handed back). Kernel: "
