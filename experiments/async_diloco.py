@@ -24,11 +24,18 @@ validation split.
 
 **The algorithm.**  Asynchronous by default: learners never wait for each other, each fragment's
 compressed outer gradient is sent from a background thread while the next inner steps run, and the
-syncer merges a fragment once ``--min-quorum`` learners sent it (default all but one) or ``--grace-s``
+syncer merges a fragment once ``--min-quorum`` learners sent it (default all but one, at least 2) or ``--grace-s``
 passed.  ``--lockstep`` runs lock-step Streaming DiLoCo with the same processes: ``min_quorum`` = every
 learner, no grace limit, and each learner waits for its merged fragment before its next inner step
 (with these settings the system computes :func:`compjax.diloco`'s global parameters; see
 ``tests/test_decoupled_equivalence.py``).
+
+**Around the library.**  Each learner receives the merged fragments on a thread of its own
+(:func:`prefetching`: :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>`
+pulls a reply's arrays on the thread that polls, which would stall the inner steps for every transfer),
+and the syncer bounds each contribution's receive (``--pull-timeout-s``; :func:`bounded_pull`) and stops
+pulling from a learner whose transfer failed until it says hello again (a learner killed in the middle of
+a transfer would otherwise leave the syncer waiting for its arrays).
 
 **Several machines.**  :class:`~compjax.decoupled.MultiProcessTransport` accepts only 127.0.0.1 endpoints
 today (its ZeroMQ socket and its transfer servers listen on the loopback), so the printed commands run on
@@ -111,10 +118,16 @@ def build_model(args, vocab: int):
 
 
 def quorum(args) -> int:
-    """``min_quorum`` of the run: every learner with ``--lockstep``, else ``--min-quorum`` (default N - 1)."""
+    """``min_quorum`` of the run: every learner with ``--lockstep``, else ``--min-quorum`` (default N - 1, at least 2).
+
+    With ``max_staleness`` 0 a contribution that misses its round is refused: a quorum of 1 would refuse
+    every other learner's contribution, so the default takes two at least (all of them when N <= 2).
+    """
     if args.lockstep:
         return args.learners
-    return args.min_quorum if args.min_quorum is not None else max(1, args.learners - 1)
+    if args.min_quorum is not None:
+        return args.min_quorum
+    return min(args.learners, max(2, args.learners - 1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -541,9 +554,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=64, help="characters per window")
     ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
-    ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1)")
-    ap.add_argument("--grace-s", type=float, default=5.0, help="seconds a round waits for its quorum")
-    ap.add_argument("--max-staleness", type=int, default=4, help="the stalest contribution accepted (merges)")
+    ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1, at least 2)")
+    ap.add_argument("--grace-s", type=float, default=2.0,
+                    help="seconds a round waits for its quorum (a fraction of the time between two sends of a fragment)")
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")
     ap.add_argument("--alpha", type=float, default=0.5, help="weight of the local parameters when a merge comes back")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a learner is lost")

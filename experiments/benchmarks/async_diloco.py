@@ -15,7 +15,8 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
   (these settings compute :func:`compjax.diloco`'s global parameters; ``tests/test_decoupled_equivalence.py``);
 * **async**: the asynchronous system: sends overlap the next inner steps, ``min_quorum`` = 3 of 4, a
   2 s grace window (about a third of the time between two sends of a fragment here), ``max_staleness``
-  4 with the weights discounted by ``exp(-0.5 tau)``, ``alpha`` 0.5;
+  0 (a contribution that missed its round is refused; the refusal carries the merged values, which the
+  learner mixes in), ``alpha`` 0.5;
 * both at 10 and 100 Mbit/s;
 * **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
   slower); it stops when the others are done;
@@ -48,8 +49,8 @@ protocol's own messages).
 **Targets** (the markdown opens with them, each met or not): at 10 Mbit/s every asynchronous learner's
 goodput >= 85% where lock-step's is lower; with the straggler the other learners' tokens/s >= 90% of the
 no-straggler run's; the global validation loss within 2% of lock-step's at the same tokens (10 and 100
-Mbit/s); the fault run's final loss within 3% of the no-fault run's; kernel bytes within 10% of carried +
-framing.
+Mbit/s); the fault run's final loss within 3% of the no-fault run's (the two loss targets one-sided: a lower
+loss is within); kernel bytes within 10% of carried + framing.
 
 Writes ``async_diloco.json`` (every measurement, the command, provenance), ``async_diloco.md`` and
 ``async_diloco.png`` to ``runs/benchmarks`` (git-ignored), with ``--publish`` to
@@ -86,7 +87,7 @@ RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
 
 #: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
 FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
-        "seq_len": 64, "grace_s": 2.0, "max_staleness": 4, "staleness_decay": 0.5, "alpha": 0.5,
+        "seq_len": 64, "grace_s": 2.0, "max_staleness": 0, "staleness_decay": 0.0, "alpha": 0.5,
         "heartbeat_timeout_s": 5.0,
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
@@ -298,13 +299,13 @@ def targets(rows: dict) -> list[dict]:
         a, lk = rows.get(f"async {rate}"), rows.get(f"lock-step {rate}")
         if a and lk:
             rel = a["val_loss"] / lk["val_loss"] - 1
-            add(f"{rate}: global validation loss within 2% of lock-step's (same tokens)",
-                f"{a['val_loss']:.4f} vs {lk['val_loss']:.4f} ({rel:+.1%})", abs(rel) <= 0.02)
+            add(f"{rate}: global validation loss within 2% of lock-step's (same tokens; lower is within)",
+                f"{a['val_loss']:.4f} vs {lk['val_loss']:.4f} ({rel:+.1%})", rel <= 0.02)
     f = rows.get("fault 10 Mbit/s")
     if f and a10:
         rel = f["val_loss"] / a10["val_loss"] - 1
-        add("fault run: final loss within 3% of the no-fault run's",
-            f"{f['val_loss']:.4f} vs {a10['val_loss']:.4f} ({rel:+.1%})", abs(rel) <= 0.03)
+        add("fault run: final loss within 3% of the no-fault run's (lower is within)",
+            f"{f['val_loss']:.4f} vs {a10['val_loss']:.4f} ({rel:+.1%})", rel <= 0.03)
     shaped = [r for r in rows.values() if "kernel_ratio" in r]
     if shaped:
         worst = max(shaped, key=lambda r: abs(r["kernel_ratio"] - 1))
@@ -357,8 +358,15 @@ def to_markdown(report: dict) -> str:
               "arrays the transport moved (contributions pulled, replies and welcomes, offers handed back). Kernel: "
               "`tc`'s count over the training less an idle baseline; framing = 66 header bytes per packet counted.")]
     for r in report["raw"]:
-        if r["events"]:
-            lines.append(f"- {r['name']}: " + "; ".join(f"{k} {json.dumps(v)}" for k, v in r["events"].items()))
+        ev = r["events"]
+        if "killed" in ev:
+            lines.append(f"- {r['name']}: {ev['killed']['learner']} killed (SIGKILL) after its step "
+                         f"{ev['killed']['step']}, {ev['killed']['t']:.0f} s in"
+                         + (f"; {ev['joined']['learner']} joined {ev['joined']['t']:.0f} s in, when the others had "
+                            f"taken {ev['joined']['others_step']} steps" if "joined" in ev else ""))
+        if "stopped" in ev:
+            lines.append(f"- {r['name']}: the straggler {ev['stopped']['learner']} stopped after its step "
+                         f"{ev['stopped']['step']}, when the others were done ({ev['stopped']['t']:.0f} s in)")
     return "\n".join(lines) + "\n"
 
 
