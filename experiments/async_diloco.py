@@ -238,7 +238,10 @@ def run_syncer(args) -> dict:
     while not stop.is_set() and server.is_alive():
         versions = syncer.versions()
         if min(versions) >= len(snapshots) * args.snapshot_every:  # every fragment merged snapshot_every more
-            snapshots.append((time.time(), versions, syncer.global_params()))
+            current = syncer.global_params()
+            if syncer.versions() == versions:  # no merge in between: the parameters are those of ``versions``
+                snapshots.append((time.time(), versions, current))
+                continue
         time.sleep(0.05)
     done.set()
     server.join(timeout=30)

@@ -95,6 +95,9 @@ def test_quick_benchmark(tmp_path):
     assert lock["versions"] == [s["steps"] // s["sync_every"]] * s["fragments"]  # full quorum: one merge per send round
     assert lock["merges"] == sends // s["learners"]
     assert lock["refused"] == 0 and lock["lost"] == []
+    lock_raw = next(x for x in report["raw"] if x["name"] == "lock-step unshaped")
+    # lock-step learners take each merged fragment before their next inner step: no delay, ever
+    assert all(d == 0 for x in lock_raw["learners"] for f in x["delays"] for d in f)
 
 
 @pytest.mark.slow

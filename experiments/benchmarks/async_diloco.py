@@ -240,6 +240,13 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
 # The report.
 
 
+def lost_while_running(row: dict) -> list[str]:
+    """The learners the syncer declared lost before they were done (a learner that finished and closed is
+    lost too, after the heartbeat timeout: its last message came at or after its end, less a heartbeat)."""
+    ends = {r["name"]: r["started"] + r["wall_s"] for r in row["learners"] if "started" in r}
+    return [n for n, seen in row["syncer"]["lost"] if n not in ends or seen < ends[n] - 2.0]
+
+
 def summarize(row: dict) -> dict:
     """A row's derived numbers: goodput and tokens/s per learner, bytes, the kernel's ratio."""
     s = row["settings"]
@@ -263,6 +270,7 @@ def summarize(row: dict) -> dict:
         "val_loss": row["syncer"]["val_loss"], "versions": row["syncer"]["versions"],
         "merges": len(row["syncer"]["merges"]), "refused": len(row["syncer"]["refused"]),
         "lost": [n for n, _ in row["syncer"]["lost"]],
+        "lost_running": lost_while_running(row),
         "counted_bytes": sum(sum(r["bytes_sent"]) for r in live),
         "contributions_carried": c["contributions"], "replies_carried": c["replies"],
         "carried_bytes": carried, "control_bytes": c["control"],
@@ -341,14 +349,15 @@ def to_markdown(report: dict) -> str:
     for t in report["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
     lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
-              "refused | lost | counted MB | carried MB | kernel MB | kernel / (carried + framing) | wall s |"),
+              "refused | lost while running | counted MB | carried MB | kernel MB | kernel / (carried + framing) | wall s |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         ratio = f"{r['kernel_ratio']:.3f}" if "kernel_ratio" in r else ""
         lines.append(
             f"| {r['name']} | {r['goodput_min']:.1%} / {r['goodput_mean']:.1%} | {r['goodput_with_drain_min']:.1%} | "
             f"{r['drain_s_mean']:.1f} | {r['tokens_per_s_mean']:,.0f} | "
-            f"{r['tokens']:,} | {r['val_loss']:.4f} | {r['merges']} | {r['refused']} | {', '.join(r['lost']) or '-'} | "
+            f"{r['tokens']:,} | {r['val_loss']:.4f} | {r['merges']} | {r['refused']} | "
+            f"{', '.join(r.get('lost_running', r['lost'])) or '-'} | "
             f"{_mb(r['counted_bytes'])} | {_mb(r['carried_bytes'])} | {_mb(r.get('kernel_bytes'))} | {ratio} | "
             f"{r['duration_s']:.0f} |")
     lines += ["", ("Goodput: the fraction of a learner's wall time from its first to its last inner step spent inside them "
