@@ -1,0 +1,611 @@
+"""Decoupled DiLoCo on the character transformer: a syncer and N learners as separate processes.
+
+    python -m experiments.async_diloco --learners 4                       # all on this machine (runs/async_diloco/)
+    python -m experiments.async_diloco --learners 4 --steps 600 --sync-every 100 --compressor e3m0
+    python -m experiments.async_diloco --learners 4 --lockstep           # lock-step Streaming DiLoCo, same code
+    python -m experiments.async_diloco syncer  --address tcp://127.0.0.1:5555 --learners 4 ...   # one role
+    python -m experiments.async_diloco learner --address tcp://127.0.0.1:5555 --index 0 ...      # per learner
+
+Without a role, the launcher starts one syncer process and ``--learners`` learner processes on this
+machine (:class:`compjax.decoupled.MultiProcessTransport`: ZeroMQ control frames, arrays over
+``jax.experimental.transfer``), prints the commands that run the same roles one by one (on several
+terminals or hosts: the syncer's address is what each learner is given), waits for the learners and
+stops the syncer.  Everything a run writes goes to ``--out`` (default ``runs/async_diloco/<time>``,
+git-ignored): each learner's statistics (``learner<i>.json``: goodput, tokens/s, bytes counted, delays,
+refusals), the syncer's (``syncer.json``: merges, refusals, lost learners, the validation loss of the
+global model over the run, the bytes it carried) and the final global parameters (``global.npz``).
+
+**The model and data.**  The LM testbed's character transformer (:mod:`experiments.lm.model`, ``tiny``:
+112,512 parameters) on Tiny Shakespeare (:mod:`experiments.lm.data`: ``--text FILE`` reads any text
+instead, with no checksum; otherwise ``$COMPJAX_TINYSHAKESPEARE`` or the download cache).  Every learner
+starts from the same initialization (``--seed``) and trains with AdamW on its own random windows of the
+training split (seed ``(seed, index)``); the syncer evaluates its global parameters on fixed windows of the
+validation split.
+
+**The algorithm.**  Asynchronous by default: learners never wait for each other, each fragment's
+compressed outer gradient is sent from a background thread while the next inner steps run, and the
+syncer merges a fragment once ``--min-quorum`` learners sent it (default all but one, at least 2) or ``--grace-s``
+passed.  ``--lockstep`` runs lock-step Streaming DiLoCo with the same processes: ``min_quorum`` = every
+learner, no grace limit, and each learner waits for its merged fragment before its next inner step
+(with these settings the system computes :func:`compjax.diloco`'s global parameters; see
+``tests/test_decoupled_equivalence.py``).
+
+**Around the library.**  Each learner receives the merged fragments on a thread of its own
+(:func:`prefetching`: :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>`
+pulls a reply's arrays on the thread that polls, which would stall the inner steps for every transfer),
+and the syncer bounds each contribution's receive (``--pull-timeout-s``; :func:`bounded_pull`) and stops
+pulling from a learner whose transfer failed until it says hello again (a learner killed in the middle of
+a transfer would otherwise leave the syncer waiting for its arrays).
+
+**Several machines.**  :class:`~compjax.decoupled.MultiProcessTransport` accepts only 127.0.0.1 endpoints
+today (its ZeroMQ socket and its transfer servers listen on the loopback), so the printed commands run on
+one host (several terminals); across hosts they need a transport that binds other addresses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PROG = "python -m experiments.async_diloco"
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "runs" / "async_diloco"
+#: Compressors of the outer gradients, by name (built by :func:`make_compressor`).
+COMPRESSORS = ("chunktopk", "e3m0", "identity")
+
+
+def say(*parts) -> None:
+    """Print one progress line, flushed (the launcher and the benchmark read these lines)."""
+    print(*parts, flush=True)
+
+
+def learner_name(index: int) -> str:
+    """The name of learner ``index``: ``learner<index>``."""
+    return f"learner{index}"
+
+
+def make_compressor(name: str):
+    """The outer gradients' compressor (``axis_name=None``: one learner's, error feedback included).
+
+    ``chunktopk``: SparseLoCo's (64 of every 64 x 64 tile, 2-bit values, decayed error feedback);
+    ``e3m0``: 4-bit E3M0 with error feedback; ``identity``: float32, exact.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    import compjax as cj
+
+    if name == "chunktopk":
+        return cj.chunktopk(64, chunk=64, value_bits=2)
+    if name == "e3m0":
+        return cj.e3m0()
+    if name == "identity":
+        return cj.identity()
+    raise ValueError(f"compressor must be one of {COMPRESSORS}, got {name!r}")
+
+
+def load_tokens(args):
+    """``(vocab size, train tokens, val tokens)`` of ``--text`` (any text) or of Tiny Shakespeare."""
+    from experiments.lm import data
+
+    if args.text:
+        text = Path(args.text).read_text()
+        vocab = data.Vocab.from_text(text)
+        train, val = data.split(vocab.encode(text))
+    else:
+        vocab, train, val = data.load_dataset()
+    return vocab.size, train, val
+
+
+def build_model(args, vocab: int):
+    """``(params, loss_fn)`` of the character transformer of ``--model`` (the same for every process)."""
+    from experiments.lm import model
+
+    cfg = model.config(args.model)
+    cfg["seq_len"] = max(cfg["seq_len"], args.seq_len)
+    params, _, loss_fn = model.build(cfg, vocab=vocab, seed=args.seed)
+    return params, loss_fn
+
+
+def quorum(args) -> int:
+    """``min_quorum`` of the run: every learner with ``--lockstep``, else ``--min-quorum`` (default N - 1, at least 2).
+
+    With ``max_staleness`` 0 a contribution that misses its round is refused: a quorum of 1 would refuse
+    every other learner's contribution, so the default takes two at least (all of them when N <= 2).
+    """
+    if args.lockstep:
+        return args.learners
+    if args.min_quorum is not None:
+        return args.min_quorum
+    return min(args.learners, max(2, args.learners - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The syncer.
+
+
+def run_syncer(args) -> dict:
+    """Serve until SIGTERM / SIGINT; then evaluate the global model's snapshots and write ``syncer.json``."""
+    import jax
+    import numpy as np
+    import optax
+
+    from compjax.decoupled import MultiProcessTransport, Syncer, Transport
+    from experiments.lm import data
+    from experiments.lm.train import make_evaluator
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, _, val = load_tokens(args)
+    params, loss_fn = build_model(args, vocab)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    carried = {"contributions": 0, "replies": 0, "welcomes": [], "released": 0, "control": 0, "tokens": 0.0,
+               "pulls": 0}
+
+    unreachable: set = set()  # learners whose last transfer failed (killed): refused without a pull
+
+    def nbytes(arrays) -> int:
+        return int(sum(np.asarray(x).nbytes for x in arrays))
+
+    class CountingSyncer(Syncer):
+        """The syncer, counting the global values each (re)joining learner is sent."""
+
+        def register(self, name, *, now=None):
+            unreachable.discard(name)
+            start = super().register(name, now=now)
+            carried["welcomes"].append([time.time(), name, sum(nbytes(v) for v in start.values)])
+            return start
+
+    class Counting(Transport):
+        """The syncer's side of the transport, counting the array bytes it moves and its control frames."""
+
+        def __init__(self, inner):
+            self.inner, self.last = inner, None
+
+        def attach(self, syncer):
+            self.inner.attach(syncer)
+
+        def send(self, contribution):  # pragma: no cover - the learner's side
+            self.inner.send(contribution)
+
+        def poll(self, learner, timeout=0.0):  # pragma: no cover - the learner's side
+            return self.inner.poll(learner, timeout)
+
+        def receive(self, timeout=0.0):
+            last, self.last = self.last, None
+            if last is not None and not last["pulled"]:  # refused before its pull: the learner pulls it back
+                carried["released"] += last["bytes"]
+            incoming = self.inner.receive(timeout)
+            if incoming is None:
+                return None
+            h = incoming.header
+            record = {"pulled": False, "bytes": int(sum(
+                int(np.prod(s)) * np.dtype(t).itemsize for s, t in zip(h.shapes, h.dtypes)))}
+            carried["control"] += control_bytes("header", h)
+            self.last = record
+
+            def pull(inner_pull=incoming.pull, name=h.learner):
+                record["pulled"] = True
+                if name in unreachable:  # its last transfer failed: a dead process, until it says hello again
+                    raise ConnectionError(f"learner {name!r}'s last transfer failed; not pulled until it rejoins")
+                try:
+                    values = bounded_pull(inner_pull, args.pull_timeout_s)
+                except Exception:
+                    unreachable.add(name)
+                    raise
+                carried["contributions"] += nbytes(values)
+                carried["tokens"] += float(h.tokens)
+                carried["pulls"] += 1
+                return values
+
+            return type(incoming)(h, pull)
+
+        def reply(self, reply):
+            carried["control"] += control_bytes("reply", reply)
+            if reply.values is not None:
+                carried["replies"] += nbytes(reply.values)
+            self.inner.reply(reply)
+
+    names = [learner_name(i) for i in range(args.learners)]
+    extra = {}
+    if "compressor" in inspect.signature(Syncer).parameters:  # a syncer that decodes the learners' payloads
+        extra["compressor"] = make_compressor(args.compressor)
+    syncer = CountingSyncer(params, learners=names, fragments=args.fragments, **extra,
+                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True), min_quorum=quorum(args),
+                            grace_s=None if args.lockstep else args.grace_s,
+                            max_staleness=0 if args.lockstep else args.max_staleness,
+                            staleness_decay=args.staleness_decay,
+                            heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s)
+    transport = MultiProcessTransport.for_syncer(args.address)
+    say(f"syncer bound {transport.address}")
+    done = threading.Event()
+    server = threading.Thread(target=syncer.serve, args=(Counting(transport), done), daemon=True)
+    t0 = time.time()
+    server.start()
+    snapshots = [(time.time(), [0] * args.fragments, syncer.global_params())]
+    while not stop.is_set() and server.is_alive():
+        versions = syncer.versions()
+        if min(versions) >= len(snapshots) * args.snapshot_every:  # every fragment merged snapshot_every more
+            current = syncer.global_params()
+            if syncer.versions() == versions:  # no merge in between: the parameters are those of ``versions``
+                snapshots.append((time.time(), versions, current))
+                continue
+        time.sleep(0.05)
+    done.set()
+    server.join(timeout=30)
+    transport.close()
+    final = syncer.global_params()
+    snapshots.append((time.time(), syncer.versions(), final))
+    evaluate = make_evaluator(loss_fn)
+    windows = data.eval_windows(val, args.eval_batches, 32, args.seq_len)
+    curve = [{"t": t, "versions": v, "val_loss": float(evaluate(p, windows))} for t, v, p in snapshots]
+    np.savez(out / "global.npz", *[np.asarray(x) for x in jax.tree.leaves(final)])
+    result = {"role": "syncer", "address": transport.address, "min_quorum": syncer.min_quorum,
+              "learners": list(syncer.learners), "versions": syncer.versions(),
+              "merges": [[p, v, list(k)] for p, v, k in syncer.merges], "refused": [list(r) for r in syncer.refused],
+              "lost": [[n, t] for n, t in syncer.lost], "last_merged": syncer.last_merged(),
+              "val_curve": curve, "val_loss": curve[-1]["val_loss"], "carried": carried, "started": t0,
+              "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params)))}
+    (out / "syncer.json").write_text(json.dumps(result, indent=1))
+    say(f"syncer done: versions {syncer.versions()}, global validation loss {result['val_loss']:.4f}")
+    return result
+
+
+def bounded_pull(pull, timeout: float) -> tuple:
+    """``pull()`` and the arrays it returns, received as NumPy arrays within ``timeout`` seconds.
+
+    The multi-process transport bounds the pull call, but its arrays arrive asynchronously; a
+    learner killed in the middle of a transfer would leave the syncer waiting for them forever
+    (holding its lock).  Here the whole receive runs on a helper thread: past ``timeout`` a
+    ``TimeoutError`` refuses that contribution (the helper thread stays behind, blocked).
+    """
+    import numpy as np
+
+    box: dict = {}
+
+    def receive():
+        try:
+            box["values"] = tuple(np.asarray(x) for x in pull())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the syncer's thread
+            box["error"] = e
+
+    t = threading.Thread(target=receive, daemon=True, name="bounded-pull")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"the contribution's arrays did not arrive within {timeout} s (its learner died?)")
+    if "error" in box:
+        raise box["error"]
+    return box["values"]
+
+
+def control_bytes(kind: str, msg) -> int:
+    """The JSON bytes of a ``header`` or ``reply`` control frame of the multi-process transport (estimated).
+
+    The transport's frames are JSON objects; this rebuilds one with the same fields (a transfer id of 19
+    digits and an address ``127.0.0.1:PORT``), so it is exact to a few bytes.
+    """
+    import dataclasses
+
+    if kind == "header":
+        h = dataclasses.asdict(msg)
+        h["shapes"] = [list(s) for s in msg.shapes]
+        h["dtypes"] = list(msg.dtypes)
+        frame = {"type": "header", "header": h, "uuid": 10**18, "address": "127.0.0.1:40000"}
+    else:
+        frame = {"type": "reply", "learner": msg.learner, "fragment": msg.fragment, "version": msg.version,
+                 "accepted": msg.accepted, "reason": msg.reason, "uuid": None}
+        if msg.values is not None:
+            frame.update(uuid=10**18, address="127.0.0.1:40000", shapes=[list(x.shape) for x in msg.values],
+                         dtypes=[x.dtype.str for x in msg.values])
+    return len(json.dumps(frame).encode())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A learner.
+
+
+def wait_for(path: str | None, poll_s: float = 0.02) -> None:
+    """Block until the file ``path`` exists (None: return at once)."""
+    while path and not Path(path).exists():
+        time.sleep(poll_s)
+
+
+def prefetching(transport):
+    """``transport`` (a learner's side) with its replies received on a background thread.
+
+    :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>` pulls a reply's
+    arrays on the thread that polls, which for a :class:`~compjax.decoupled.Learner` is its training
+    thread: on a slow link every merged fragment would stall the inner steps for its transfer.  The
+    wrapper polls from a thread of its own and hands the learner replies already received, so the
+    transfer overlaps the inner steps as the sends do.
+    """
+    import queue
+
+    from compjax.decoupled import Transport
+
+    class Prefetching(Transport):
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+            self._replies: queue.Queue = queue.Queue()
+            self._closed = threading.Event()
+            self._thread: threading.Thread | None = None
+
+        def join(self, timeout=None):
+            start = self.inner.join(timeout=timeout)
+            self._thread = threading.Thread(target=self._receive, daemon=True, name=f"prefetch-{self.name}")
+            self._thread.start()
+            return start
+
+        def _receive(self):
+            while not self._closed.is_set():
+                reply = self.inner.poll(self.name, timeout=0.1)
+                if reply is not None:
+                    self._replies.put(reply)
+
+        def send(self, contribution):
+            self.inner.send(contribution)
+
+        def poll(self, learner, timeout=0.0):
+            try:
+                return self._replies.get(block=timeout is None or timeout > 0, timeout=timeout)
+            except queue.Empty:
+                return None
+
+        def receive(self, timeout=0.0):  # pragma: no cover - the syncer's side
+            return self.inner.receive(timeout)
+
+        def reply(self, reply):  # pragma: no cover - the syncer's side
+            self.inner.reply(reply)
+
+        def close(self):
+            self._closed.set()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self.inner.close()
+
+    return Prefetching(transport)
+
+
+def run_learner(args) -> dict:
+    """Join the syncer, take ``--steps`` inner steps (or until ``--stop-file``), finish, write ``learner<i>.json``."""
+    import jax
+    import numpy as np
+    import optax
+
+    from compjax.decoupled import Learner, MultiProcessTransport
+    from experiments.lm import data
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = args.name or learner_name(args.index)
+    vocab, train, _ = load_tokens(args)
+    params, loss_fn = build_model(args, vocab)
+    inner = optax.adamw(args.lr)
+
+    @jax.jit
+    def train_step(p, s, windows):
+        loss, grads = jax.value_and_grad(loss_fn)(p, windows)
+        updates, s = inner.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    tokens_per_step = args.batch * args.seq_len
+    batch = lambda step: data.batch_at(train, step, 1, args.batch, args.seq_len, seed=args.seed * 1000 + args.index)[0]
+    transport = prefetching(MultiProcessTransport.for_learner(name, args.address))
+    learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
+                      fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
+                      wait_for_merge=args.lockstep, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)
+    learner.warm_up(batch(0))  # compile first, then join: the first contribution is fresh
+    say(f"learner {name} compiled")
+    wait_for(args.join_file)
+    start = transport.join(timeout=args.join_timeout_s)
+    learner.start_from(start)
+    say(f"learner {name} joined at versions {list(start.versions)}")
+    if args.ready_file:
+        Path(args.ready_file).write_text("ready")
+    wait_for(args.go_file)
+    losses, sleep_s = [], 0.0
+    t0 = time.perf_counter()
+    wall0 = time.time()
+    for s in range(args.steps):
+        if args.stop_file and Path(args.stop_file).exists():
+            break
+        ts = time.perf_counter()
+        losses.append(float(learner.step(batch(s + 1), tokens=tokens_per_step)))
+        if args.slowdown > 0:  # a straggler: idle for (slowdown x) the step it just took
+            pause = args.slowdown * (time.perf_counter() - ts)
+            time.sleep(pause)
+            sleep_s += pause
+        if learner.count % args.log_every == 0:
+            say(f"learner {name} step {learner.count} loss {np.mean(losses[-args.log_every:]):.4f}")
+    t_loop = time.perf_counter() - t0
+    learner.finish()
+    wall = time.perf_counter() - t0
+    transport.close()
+    st = learner.stats
+    result = {"role": "learner", "name": name, "index": args.index, "steps": learner.count,
+              "tokens": learner.count * tokens_per_step, "wall_s": wall, "loop_s": t_loop, "started": wall0,
+              "step_s": st.step_seconds, "wait_s": st.wait_seconds, "sleep_s": sleep_s,
+              "goodput": st.step_seconds / t_loop if t_loop > 0 else float("nan"),
+              "goodput_with_drain": st.step_seconds / wall if wall > 0 else float("nan"), "drain_s": wall - t_loop,
+              "tokens_per_s": learner.count * tokens_per_step / t_loop if t_loop > 0 else float("nan"),
+              "bytes_sent": list(st.bytes_sent), "sends": list(st.sends), "delays": [list(d) for d in st.delays],
+              "refusals": [list(r) for r in st.refusals], "start_versions": list(start.versions),
+              "final_train_loss": float(np.mean(losses[-args.log_every:])) if losses else None}
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    say(f"learner {name} done: {learner.count} steps, goodput {result['goodput']:.3f}, "
+        f"{result['tokens_per_s']:.0f} tokens/s, {sum(st.bytes_sent)} bytes counted")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The launcher.
+
+
+def role_args(args, role: str, **extra) -> list[str]:
+    """The command-line arguments of one role's process, with the run's settings."""
+    a = [role, "--address", args.address, "--learners", str(args.learners), "--steps", str(args.steps),
+         "--sync-every", str(args.sync_every), "--fragments", str(args.fragments), "--compressor", args.compressor,
+         "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
+         "--outer-lr", str(args.outer_lr), "--grace-s", str(args.grace_s), "--max-staleness", str(args.max_staleness),
+         "--staleness-decay", str(args.staleness_decay), "--alpha", str(args.alpha),
+         "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
+         "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
+         "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s)]
+    if args.min_quorum is not None:
+        a += ["--min-quorum", str(args.min_quorum)]
+    if args.lockstep:
+        a.append("--lockstep")
+    if args.text:
+        a += ["--text", str(args.text)]
+    for k, v in extra.items():
+        a += [f"--{k.replace('_', '-')}", str(v)]
+    return a
+
+
+def child_env() -> dict:
+    """The environment of a role's process: one CPU device (no inherited device count), the repository importable."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def free_address() -> str:
+    """``tcp://127.0.0.1:PORT`` with a port that is free now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def launch(args) -> int:
+    """Start the syncer and the learners here, print the per-role commands, wait for the learners, stop the syncer."""
+    if args.address is None:
+        args.address = free_address()
+    args.out = str(Path(args.out or RUNS / time.strftime("%Y%m%d-%H%M%S")).resolve())
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    py = [sys.executable, "-m", "experiments.async_diloco"]
+    say(f"The same run on several terminals (or hosts, see {PROG} --help), the syncer first:")
+    shown = ["python", "-m", "experiments.async_diloco"]
+    say("  " + shlex.join([*shown, *role_args(args, "syncer")]))
+    for i in range(args.learners):
+        say("  " + shlex.join([*shown, *role_args(args, "learner", index=i)]))
+    say(f"Every learner is given the syncer's address ({args.address}); stop the syncer with Ctrl-C when they are done.")
+    say(f"Starting them here; results in {args.out}")
+    logs = Path(args.out)
+    env = child_env()
+    procs = {}
+    with open(logs / "syncer.log", "w") as f:
+        procs["syncer"] = subprocess.Popen([*py, *role_args(args, "syncer")], cwd=REPO, env=env, stdout=f,
+                                           stderr=subprocess.STDOUT)
+    for i in range(args.learners):
+        with open(logs / f"{learner_name(i)}.log", "w") as f:
+            procs[learner_name(i)] = subprocess.Popen([*py, *role_args(args, "learner", index=i)], cwd=REPO,
+                                                      env=env, stdout=f, stderr=subprocess.STDOUT)
+    failed = []
+    try:
+        for i in range(args.learners):
+            rc = procs[learner_name(i)].wait()
+            if rc != 0:
+                failed.append(learner_name(i))
+    finally:
+        procs["syncer"].send_signal(signal.SIGTERM)
+        if procs["syncer"].wait(timeout=300) != 0:
+            failed.append("syncer")
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    if failed:
+        say(f"failed: {failed} (see their logs in {args.out})")
+        return 1
+    syncer = json.loads((logs / "syncer.json").read_text())
+    say(f"global model: validation loss {syncer['val_loss']:.4f} after versions {syncer['versions']}")
+    for i in range(args.learners):
+        r = json.loads((logs / f"{learner_name(i)}.json").read_text())
+        say(f"  {r['name']}: {r['steps']} steps, goodput {r['goodput']:.1%}, {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{sum(r['bytes_sent']):,} bytes counted, {len(r['refusals'])} refusals")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (shared by the launcher and the two roles)."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("role", nargs="?", choices=["launch", "syncer", "learner"], default="launch",
+                    help="launch (default): the syncer and every learner here; syncer or learner: one role")
+    ap.add_argument("--learners", type=int, default=4, help="N, the learners the syncer expects (default 4)")
+    ap.add_argument("--address", default=None, help="the syncer's endpoint tcp://127.0.0.1:PORT (default: a free port)")
+    ap.add_argument("--steps", type=int, default=600, help="inner steps per learner")
+    ap.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two sends of a fragment")
+    ap.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's fragments (1: plain DiLoCo)")
+    ap.add_argument("--compressor", choices=COMPRESSORS, default="chunktopk")
+    ap.add_argument("--model", default="tiny", help="the character transformer's size (experiments.lm.model)")
+    ap.add_argument("--batch", type=int, default=16, help="windows per learner per inner step")
+    ap.add_argument("--seq-len", type=int, default=64, help="characters per window")
+    ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
+    ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1, at least 2)")
+    ap.add_argument("--grace-s", type=float, default=2.0,
+                    help="seconds a round waits for its quorum (a fraction of the time between two sends of a fragment)")
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
+    ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")
+    ap.add_argument("--alpha", type=float, default=0.5, help="weight of the local parameters when a merge comes back")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a learner is lost")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="lock-step Streaming DiLoCo: quorum = all, no grace limit, learners wait for each merge")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", default=None, help="train on this text file instead of Tiny Shakespeare (no checksum)")
+    ap.add_argument("--out", default=None, help="the run's folder (default runs/async_diloco/<time>)")
+    ap.add_argument("--eval-batches", type=int, default=8, help="validation batches of 32 windows")
+    ap.add_argument("--snapshot-every", type=int, default=1,
+                    help="the syncer keeps the global model every this many merges of every fragment (evaluated at the end)")
+    ap.add_argument("--log-every", type=int, default=50, help="a learner's progress line every this many steps")
+    ap.add_argument("--index", type=int, default=0, help="(learner) its index: name learner<index>, its data")
+    ap.add_argument("--name", default=None, help="(learner) its name, default learner<index>")
+    ap.add_argument("--pull-timeout-s", type=float, default=10.0,
+                    help="(syncer) the longest wait for one contribution's arrays (a longer one is refused)")
+    ap.add_argument("--reply-timeout-s", type=float, default=300.0, help="(learner) the longest wait for one reply")
+    ap.add_argument("--join-timeout-s", type=float, default=300.0, help="(learner) the longest wait for the welcome")
+    ap.add_argument("--slowdown", type=float, default=0.0,
+                    help="(learner) idle this many times each step's duration after it (1: a 2x straggler)")
+    for f in ("ready-file", "go-file", "join-file", "stop-file"):
+        ap.add_argument(f"--{f}", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.learners < 1 or args.steps < 1 or args.sync_every < 1 or args.fragments < 1:
+        raise ValueError("--learners, --steps, --sync-every and --fragments must be >= 1, got "
+                         f"{args.learners}, {args.steps}, {args.sync_every}, {args.fragments}")
+    if args.min_quorum is not None and not 1 <= args.min_quorum <= args.learners:
+        raise ValueError(f"--min-quorum must be in [1, --learners = {args.learners}], got {args.min_quorum}")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+    if args.role == "launch":
+        return launch(args)
+    if args.address is None:
+        raise ValueError("--address is needed for a single role (the syncer's endpoint, tcp://127.0.0.1:PORT)")
+    args.out = args.out or str(RUNS / "roles")
+    if args.role == "syncer":
+        run_syncer(args)
+    else:
+        run_learner(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,497 @@
+"""Decoupled (asynchronous) DiLoCo vs lock-step Streaming DiLoCo, as processes on a rate-limited link.
+
+    python -m experiments.benchmarks.async_diloco                    # every row (root: unshare -n and tc)
+    python -m experiments.benchmarks.async_diloco --publish --wait-load 1.5   # experiments/results/benchmarks/
+    python -m experiments.benchmarks.async_diloco --quick            # 2 learners, 2 rows, no shaping (~1 min)
+    python -m experiments.benchmarks.async_diloco --publish --report-only     # the tables again from the JSON
+
+Every row is one run of :mod:`experiments.async_diloco`: a syncer process and 4 learner processes of
+the character transformer (``tiny``, 112,512 parameters) on Tiny Shakespeare, every learner taking the
+same number of inner steps (AdamW, 16 windows of 64 characters each), Streaming DiLoCo's 4 fragments
+with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on the learner).  The rows:
+
+* **lock-step**: lock-step Streaming DiLoCo with the same processes and code: ``min_quorum`` = every
+  learner, no grace limit, and each learner waits for its merged fragment before its next inner step
+  (these settings compute :func:`compjax.diloco`'s global parameters; ``tests/test_decoupled_equivalence.py``);
+* **async**: the asynchronous system: sends overlap the next inner steps, ``min_quorum`` = 3 of 4, a
+  2 s grace window (about a third of the time between two sends of a fragment here), ``max_staleness``
+  0 (a contribution that missed its round is refused; the refusal carries the merged values, which the
+  learner mixes in), ``alpha`` 0.5;
+* both at 10 and 100 Mbit/s;
+* **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
+  slower); it stops when the others are done;
+* **fault** (async, 10 Mbit/s): one learner killed with SIGKILL at 1/3 of its steps, a new one (started,
+  compiled and waiting from the beginning) joins when the others reached 2/3 and takes the last 1/3.
+
+**The link.**  Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN): the rows run inside a fresh network
+namespace (``unshare -n``) whose loopback has a 1500-byte MTU and a token bucket of the row's rate
+(``tc qdisc ... tbf``, as :mod:`experiments.benchmarks.link`); every process's packets, the syncer's
+replies included, cross that one bucket.  Where that is not permitted the script says so in one line
+and exits 0.  ``--quick`` runs 2 learners on the loopback as it is (no namespace, no kernel bytes).
+
+**Measured**, per learner: *goodput*, the fraction of its wall time from its first inner step to the end
+of its last spent inside inner steps (``stats.step_seconds``; a straggler's idling is not a step; a lock-step
+learner's last step includes the wait for its last merge), and beside it the *drain*, the wait in
+:meth:`~compjax.decoupled.Learner.finish` for the replies still in flight after the last step (the end of
+a finite run: a learner that goes on training never drains), with the goodput counting it too; tokens/s over
+the same wall time; the bytes counted for its contributions
+(:func:`compjax.decoupled.message_bytes`, the compressor's message size).  Per row: the validation loss of
+the global model (the syncer's global parameters, on fixed windows of the validation split) over the run
+and at its end; the bytes the transport *carried* (the syncer's side: the arrays of every contribution it
+pulled, of every reply and every welcome, the offers handed back unpulled, and its JSON control frames);
+and the *kernel* bytes: ``tc -s qdisc`` "Sent N bytes M pkt" over the training, less an idle baseline
+(the same processes joined and idle before training: heartbeats) scaled to the training's duration.
+*Framing* is the TCP/IP/Ethernet headers of the packets the kernel counted (66 bytes each,
+:data:`compjax.netmodel.Framing.gloo_tcp`'s ``segment_header``); the ratio ``kernel / (carried +
+framing)`` is the part of the traffic that the carried bytes and headers do not explain (the transfer
+protocol's own messages).
+
+**Targets** (the markdown opens with them, each met or not): at 10 Mbit/s every asynchronous learner's
+goodput >= 85% where lock-step's is lower; with the straggler the other learners' tokens/s >= 90% of the
+no-straggler run's; the global validation loss within 2% of lock-step's at the same tokens (10 and 100
+Mbit/s); the fault run's final loss within 3% of the no-fault run's (the two loss targets one-sided: a lower
+loss is within); kernel bytes within 10% of carried + framing.
+
+Writes ``async_diloco.json`` (every measurement, the command, provenance), ``async_diloco.md`` and
+``async_diloco.png`` to ``runs/benchmarks`` (git-ignored), with ``--publish`` to
+``experiments/results/benchmarks``, or to ``--out-dir``.  The data: ``--text FILE`` (any text), else
+``$COMPJAX_TINYSHAKESPEARE`` or the download cache (:mod:`experiments.lm.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.async_diloco import child_env, learner_name
+from experiments.benchmarks.link import MTU, permitted, provenance, set_rate, tc_counters, wait_for_load
+
+PROG = "python -m experiments.benchmarks.async_diloco"
+REPO = Path(__file__).resolve().parents[2]
+RUNS = REPO / "runs" / "benchmarks"
+PUBLISHED = REPO / "experiments" / "results" / "benchmarks"
+NAME = "async_diloco"
+#: Header bytes per packet as ``tc`` counts them: Ethernet 14 + IPv4 20 + TCP with timestamps 32.
+SEGMENT_HEADER = 66
+RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
+
+#: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
+FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
+        "seq_len": 64, "grace_s": 2.0, "max_staleness": 0, "staleness_decay": 0.0, "alpha": 0.5,
+        "heartbeat_timeout_s": 5.0,
+        "log_every": 25, "eval_batches": 16}
+QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
+
+#: Rows: name -> (rate, mode).  Modes: lockstep, async, straggler, fault.
+ROWS = {
+    "lock-step 100 Mbit/s": ("100 Mbit/s", "lockstep"),
+    "async 100 Mbit/s": ("100 Mbit/s", "async"),
+    "lock-step 10 Mbit/s": ("10 Mbit/s", "lockstep"),
+    "async 10 Mbit/s": ("10 Mbit/s", "async"),
+    "straggler 10 Mbit/s": ("10 Mbit/s", "straggler"),
+    "fault 10 Mbit/s": ("10 Mbit/s", "fault"),
+}
+QUICK_ROWS = {"lock-step unshaped": ("unshaped", "lockstep"), "async unshaped": ("unshaped", "async")}
+#: The learner made 2x slower in the straggler row, the one killed in the fault row, and the one that joins.
+STRAGGLER, VICTIM = 3, 1
+
+
+def settings_args(settings: dict) -> list[str]:
+    """``settings`` as command-line options of :mod:`experiments.async_diloco`."""
+    return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _progress(log: Path) -> int:
+    """The last inner step a learner's log reports (0 if none yet)."""
+    try:
+        steps = re.findall(r"^learner \S+ step (\d+) ", log.read_text(), re.MULTILINE)
+    except OSError:
+        return 0
+    return int(steps[-1]) if steps else 0
+
+
+def _free_address() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -> dict:
+    """One row: start the syncer and the learners, baseline, train, collect; the raw measurements."""
+    out = work / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    out.mkdir(parents=True, exist_ok=True)
+    n, steps = settings["learners"], settings["steps"]
+    bits = RATES[rate]
+    shaped = args.shape and bits is not None
+    if shaped:
+        set_rate(bits)
+    elif args.shape:
+        set_rate(None)
+    py = [sys.executable, "-m", "experiments.async_diloco"]
+    common = [*settings_args(settings), "--address", _free_address(), "--out", str(out)]
+    if mode == "lockstep":
+        common.append("--lockstep")
+    if args.text:
+        common += ["--text", str(args.text)]
+    env = child_env()
+    procs, logs = {}, {}
+
+    def start(role: str, key: str, extra: list[str]) -> None:
+        logs[key] = out / f"{key}.log"
+        with open(logs[key], "w") as f:
+            procs[key] = subprocess.Popen([*py, role, *common, *extra], cwd=REPO, env=env, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+
+    go = out / "go"
+    start("syncer", "syncer", [])
+    for i in range(n):
+        extra = ["--index", str(i), "--ready-file", str(out / f"ready{i}"), "--go-file", str(go)]
+        if mode == "straggler":
+            extra += ["--stop-file", str(out / "stop")]
+            if i == STRAGGLER:
+                extra += ["--slowdown", "1", "--steps", str(10 * steps)]  # runs until the others are done
+        start("learner", learner_name(i), extra)
+    joiner = learner_name(n)
+    if mode == "fault":
+        start("learner", joiner, ["--index", str(n), "--join-file", str(out / "join"), "--steps",
+                                  str(steps - (2 * steps) // 3)])
+    events: dict = {}
+    try:
+        deadline = time.monotonic() + args.row_timeout_s
+        while not all((out / f"ready{i}").exists() for i in range(n)):
+            dead = [k for k, p in procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: {dead or 'time-out'} before every learner joined")
+            time.sleep(0.1)
+        c0, t0 = tc_counters() if args.shape else None, time.time()
+        time.sleep(args.idle_s)
+        c1, t1 = tc_counters() if args.shape else None, time.time()
+        go.write_text("go")
+        t_go = time.time()
+        learners = [learner_name(i) for i in range(n)]
+        others = [k for i, k in enumerate(learners) if not (mode == "straggler" and i == STRAGGLER)]
+        if mode == "fault":
+            others = [k for i, k in enumerate(learners) if i != VICTIM]
+        while any(procs[k].poll() is None for k in [*learners, *([joiner] if mode == "fault" else [])]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: longer than {args.row_timeout_s} s")
+            if mode == "fault":
+                victim = learners[VICTIM]
+                if "killed" not in events and _progress(logs[victim]) >= steps // 3:
+                    procs[victim].send_signal(signal.SIGKILL)
+                    events["killed"] = {"learner": victim, "t": time.time() - t_go, "step": _progress(logs[victim])}
+                if "joined" not in events and min(_progress(logs[k]) for k in others) >= (2 * steps) // 3:
+                    (out / "join").write_text("join")
+                    events["joined"] = {"learner": joiner, "t": time.time() - t_go,
+                                        "others_step": min(_progress(logs[k]) for k in others)}
+                if "killed" in events and "joined" not in events and procs[joiner].poll() is not None:
+                    raise RuntimeError(f"{name}: the joiner exited before it joined")
+            if mode == "straggler" and "stopped" not in events and all(procs[k].poll() is not None for k in others):
+                (out / "stop").write_text("stop")
+                events["stopped"] = {"learner": learners[STRAGGLER], "t": time.time() - t_go,
+                                     "step": _progress(logs[learners[STRAGGLER]])}
+            time.sleep(0.05)
+        c2, t_end = tc_counters() if args.shape else None, time.time()
+        procs["syncer"].send_signal(signal.SIGTERM)
+        procs["syncer"].wait(timeout=300)
+        failed = [k for k, p in procs.items() if p.returncode not in (0, -signal.SIGKILL)]
+        if failed:
+            raise RuntimeError(f"{name}: {failed} failed")
+    except Exception as e:
+        tails = "".join(f"\n--- {k}\n{p.read_text()[-2500:]}" for k, p in logs.items() if p.exists())
+        raise RuntimeError(f"{e}{tails}") from e
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    syncer = json.loads((out / "syncer.json").read_text())
+    per = []
+    for k in [*learners, *([joiner] if mode == "fault" else [])]:
+        path = out / f"{k}.json"
+        if path.exists():
+            per.append(json.loads(path.read_text()))
+        else:  # killed: what its log says
+            per.append({"name": k, "killed": True, "steps": _progress(logs[k])})
+    row = {"name": name, "rate": rate, "bits_per_s": bits, "mode": mode, "settings": settings, "t_go": t_go,
+           "duration_s": t_end - t_go, "events": events, "learners": per, "syncer": syncer}
+    if args.shape:
+        idle = t1 - t0
+        row["idle"] = {"s": idle, "bytes": c1["bytes"] - c0["bytes"], "packets": c1["packets"] - c0["packets"]}
+        row["tc"] = {"bytes": c2["bytes"] - c1["bytes"] - (c1["bytes"] - c0["bytes"]) * (t_end - t1) / idle,
+                     "packets": c2["packets"] - c1["packets"] - (c1["packets"] - c0["packets"]) * (t_end - t1) / idle,
+                     "dropped": c2["dropped"] - c0["dropped"], "window_s": t_end - t1}
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The report.
+
+
+def lost_while_running(row: dict) -> list[str]:
+    """The learners the syncer declared lost before they were done (a learner that finished and closed is
+    lost too, after the heartbeat timeout: its last message came at or after its end, less a heartbeat)."""
+    ends = {r["name"]: r["started"] + r["wall_s"] for r in row["learners"] if "started" in r}
+    return [n for n, seen in row["syncer"]["lost"] if n not in ends or seen < ends[n] - 2.0]
+
+
+def summarize(row: dict) -> dict:
+    """A row's derived numbers: goodput and tokens/s per learner, bytes, the kernel's ratio."""
+    s = row["settings"]
+    tokens_per_step = s["batch"] * s["seq_len"]
+    live = [r for r in row["learners"] if not r.get("killed")]
+    excluded = {learner_name(STRAGGLER)} if row["mode"] == "straggler" else set()
+    main = [r for r in live if r["name"] not in excluded and r["name"] != learner_name(s["learners"])]
+    tokens = sum(r["steps"] * tokens_per_step for r in row["learners"])
+    c = row["syncer"]["carried"]
+    welcomes = sum(b for t, _, b in c["welcomes"] if t >= row["t_go"])
+    carried = c["contributions"] + c["replies"] + c["released"] + welcomes
+    out = {
+        "name": row["name"], "rate": row["rate"], "mode": row["mode"],
+        "goodput": {r["name"]: r["goodput"] for r in live},
+        "goodput_min": min(r["goodput"] for r in main), "goodput_mean": statistics.fmean(r["goodput"] for r in main),
+        "goodput_with_drain_min": min(r.get("goodput_with_drain", r["goodput"]) for r in main),
+        "drain_s_mean": statistics.fmean(r.get("drain_s", 0.0) for r in main),
+        "tokens_per_s": {r["name"]: r["tokens_per_s"] for r in live},
+        "tokens_per_s_mean": statistics.fmean(r["tokens_per_s"] for r in main),
+        "tokens": tokens, "steps": {r["name"]: r["steps"] for r in row["learners"]},
+        "val_loss": row["syncer"]["val_loss"], "versions": row["syncer"]["versions"],
+        "merges": len(row["syncer"]["merges"]), "refused": len(row["syncer"]["refused"]),
+        "lost": [n for n, _ in row["syncer"]["lost"]],
+        "lost_running": lost_while_running(row),
+        "counted_bytes": sum(sum(r["bytes_sent"]) for r in live),
+        "contributions_carried": c["contributions"], "replies_carried": c["replies"],
+        "carried_bytes": carried, "control_bytes": c["control"],
+        "delay_mean": statistics.fmean([d for r in live for f in r["delays"] for d in f] or [0]),
+        "wait_s_mean": statistics.fmean(r["wait_s"] for r in main), "duration_s": row["duration_s"],
+    }
+    if "tc" in row:
+        framing = row["tc"]["packets"] * SEGMENT_HEADER
+        out.update(kernel_bytes=row["tc"]["bytes"], kernel_packets=row["tc"]["packets"], framing_bytes=framing,
+                   kernel_ratio=row["tc"]["bytes"] / (carried + c["control"] + framing), dropped=row["tc"]["dropped"])
+    return out
+
+
+def targets(rows: dict) -> list[dict]:
+    """The issue's targets, each with what was measured and whether it was met (None: its rows are missing)."""
+    t = []
+
+    def add(target, measured, met):
+        t.append({"target": target, "measured": measured, "met": met})
+
+    a10, l10 = rows.get("async 10 Mbit/s"), rows.get("lock-step 10 Mbit/s")
+    if a10 and l10:
+        add("10 Mbit/s: every async learner's goodput >= 85%, lock-step's lower",
+            f"async min {a10['goodput_min']:.1%} (mean {a10['goodput_mean']:.1%}), lock-step mean "
+            f"{l10['goodput_mean']:.1%}",
+            a10["goodput_min"] >= 0.85 and l10["goodput_mean"] < a10["goodput_min"])
+    st = rows.get("straggler 10 Mbit/s")
+    if st and a10:
+        ratio = st["tokens_per_s_mean"] / a10["tokens_per_s_mean"]
+        add("straggler: the others' tokens/s >= 90% of the no-straggler run's",
+            f"{st['tokens_per_s_mean']:,.0f} vs {a10['tokens_per_s_mean']:,.0f} tokens/s per learner ({ratio:.1%})",
+            ratio >= 0.9)
+    for rate in ("10 Mbit/s", "100 Mbit/s", "unshaped"):
+        a, lk = rows.get(f"async {rate}"), rows.get(f"lock-step {rate}")
+        if a and lk:
+            rel = a["val_loss"] / lk["val_loss"] - 1
+            add(f"{rate}: global validation loss within 2% of lock-step's (same tokens; lower is within)",
+                f"{a['val_loss']:.4f} vs {lk['val_loss']:.4f} ({rel:+.1%})", rel <= 0.02)
+    f = rows.get("fault 10 Mbit/s")
+    if f and a10:
+        rel = f["val_loss"] / a10["val_loss"] - 1
+        add("fault run: final loss within 3% of the no-fault run's (lower is within)",
+            f"{f['val_loss']:.4f} vs {a10['val_loss']:.4f} ({rel:+.1%})", rel <= 0.03)
+    shaped = [r for r in rows.values() if "kernel_ratio" in r]
+    if shaped:
+        worst = max(shaped, key=lambda r: abs(r["kernel_ratio"] - 1))
+        add("kernel bytes within 10% of carried + framing (every shaped row)",
+            f"ratios {min(r['kernel_ratio'] for r in shaped):.3f} to {max(r['kernel_ratio'] for r in shaped):.3f} "
+            f"(worst: {worst['name']})", all(abs(r["kernel_ratio"] - 1) <= 0.10 for r in shaped))
+    return t
+
+
+def build_report(raw: list[dict], argv: list[str], wall_s: float, prov: dict, settings: dict) -> dict:
+    """Every row's measurements and summary, and the targets."""
+    rows = {r["name"]: summarize(r) for r in raw}
+    return {"command": f"{PROG} {shlex.join(argv)}".strip(), "argv": list(argv), "wall_s": wall_s,
+            "settings": settings, "mtu": MTU, "segment_header": SEGMENT_HEADER, "provenance": prov,
+            "num_params": raw[0]["syncer"]["num_params"] if raw else None,
+            "targets": targets(rows), "rows": list(rows.values()), "raw": raw}
+
+
+def _mb(b) -> str:
+    return "" if b is None else f"{b / 1e6:,.2f}"
+
+
+def to_markdown(report: dict) -> str:
+    """The targets, then one line per row."""
+    s = report["settings"]
+    lines = [(f"Decoupled DiLoCo vs lock-step Streaming DiLoCo: {s['learners']} learner processes and a syncer, "
+             f"character transformer ({report['num_params']:,} parameters), {s['steps']} inner steps per learner "
+             f"of {s['batch']} x {s['seq_len']} characters, H = {s['sync_every']}, {s['fragments']} fragments, "
+             f"{s['compressor']} outer gradients. Command: `{report['command']}` ({report['wall_s']:.0f} s; load "
+             f"average {report['provenance']['loadavg_start'][0]:.1f} at the start, "
+             f"{report['provenance']['loadavg_end'][0]:.1f} at the end)."), "",
+             "| target | measured | met |", "|---|---|---|"]
+    for t in report["targets"]:
+        lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
+    lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
+              "refused | lost while running | counted MB | carried MB | kernel MB | kernel / (carried + framing) | wall s |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        ratio = f"{r['kernel_ratio']:.3f}" if "kernel_ratio" in r else ""
+        lines.append(
+            f"| {r['name']} | {r['goodput_min']:.1%} / {r['goodput_mean']:.1%} | {r['goodput_with_drain_min']:.1%} | "
+            f"{r['drain_s_mean']:.1f} | {r['tokens_per_s_mean']:,.0f} | "
+            f"{r['tokens']:,} | {r['val_loss']:.4f} | {r['merges']} | {r['refused']} | "
+            f"{', '.join(r.get('lost_running', r['lost'])) or '-'} | "
+            f"{_mb(r['counted_bytes'])} | {_mb(r['carried_bytes'])} | {_mb(r.get('kernel_bytes'))} | {ratio} | "
+            f"{r['duration_s']:.0f} |")
+    lines += ["", ("Goodput: the fraction of a learner's wall time from its first to its last inner step spent inside them "
+              "(with drain: counting the final wait for the replies in flight too; the straggler row: the other "
+              "learners; the fault row: the learners that ran to the end, the joiner left out). Counted: the "
+              "compressor's message bytes of every contribution (`compjax.decoupled.message_bytes`). Carried: the "
+              "arrays the transport moved (contributions pulled, replies and welcomes, offers handed back). Kernel: "
+              "`tc`'s count over the training less an idle baseline; framing = 66 header bytes per packet counted.")]
+    for r in report["raw"]:
+        ev = r["events"]
+        if "killed" in ev:
+            lines.append(f"- {r['name']}: {ev['killed']['learner']} killed (SIGKILL) after its step "
+                         f"{ev['killed']['step']}, {ev['killed']['t']:.0f} s in"
+                         + (f"; {ev['joined']['learner']} joined {ev['joined']['t']:.0f} s in, when the others had "
+                            f"taken {ev['joined']['others_step']} steps" if "joined" in ev else ""))
+        if "stopped" in ev:
+            lines.append(f"- {r['name']}: the straggler {ev['stopped']['learner']} stopped after its step "
+                         f"{ev['stopped']['step']}, when the others were done ({ev['stopped']['t']:.0f} s in)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Goodput per row (each learner a dot) and the global model's validation loss over wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["name"] for r in report["rows"]]
+    ax1.barh(names, [r["goodput_mean"] for r in report["rows"]], color="#9ecae1")
+    for y, r in enumerate(report["rows"]):
+        ax1.plot(list(r["goodput"].values()), [y] * len(r["goodput"]), "k.")
+    ax1.axvline(0.85, color="gray", ls="--", lw=1)
+    ax1.set_xlim(0, 1)
+    ax1.set_xlabel("goodput (fraction of wall time in inner steps)")
+    ax1.invert_yaxis()
+    for r in report["raw"]:
+        curve = r["syncer"]["val_curve"]
+        ax2.plot([max(0.0, c["t"] - r["t_go"]) for c in curve], [c["val_loss"] for c in curve], ".-", label=r["name"])
+    ax2.set_xlabel("seconds since the learners started")
+    ax2.set_ylabel("global model's validation loss")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: dict, out_dir: Path) -> None:
+    """``async_diloco.json``, ``.md`` and ``.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{NAME}.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    (out_dir / f"{NAME}.md").write_text(to_markdown(report))
+    plot(report, out_dir / f"{NAME}.png")
+    print(to_markdown(report))
+    print(f"wrote {out_dir / NAME}.json, .md, .png")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The driver.
+
+
+def inside(args) -> int:
+    """In the namespace (or, ``--quick``, on the host): run the rows; the raw results to ``--result``."""
+    settings = QUICK if args.quick else FULL
+    rows = QUICK_ROWS if args.quick else {k: ROWS[k] for k in args.rows}
+    raw = []
+    with tempfile.TemporaryDirectory(prefix="async-diloco-") as tmp:
+        work = Path(args.log_dir or tmp)
+        for name, (rate, mode) in rows.items():
+            print(f"{name} ...", flush=True)
+            t = time.time()
+            raw.append(run_row(name, rate, mode, settings, args, work))
+            print(f"{name}: {time.time() - t:.0f} s", flush=True)
+    Path(args.result).write_text(json.dumps(raw, default=float))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), help="rows to run (default: all)")
+    ap.add_argument("--quick", action="store_true", help="2 learners, 60 steps, lock-step and async, no shaping")
+    ap.add_argument("--text", type=Path, default=None, help="train on this text file (default: Tiny Shakespeare)")
+    ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of the idle baseline per row")
+    ap.add_argument("--row-timeout-s", type=float, default=900.0, help="the longest a row may take")
+    ap.add_argument("--wait-load", type=float, default=None, metavar="L",
+                    help="first wait (at most --wait-max-s) until the 1-minute load average is below L")
+    ap.add_argument("--wait-max-s", type=float, default=1200.0)
+    ap.add_argument("--publish", action="store_true", help="write to experiments/results/benchmarks")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--log-dir", type=Path, default=None, help="keep every process's log and JSON here")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the tables and plot from the output's JSON")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.inside:
+        return inside(args)
+    out_dir = args.out_dir or (PUBLISHED if args.publish else RUNS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    settings = QUICK if args.quick else FULL
+    if args.report_only:
+        old = json.loads((out_dir / f"{NAME}.json").read_text())
+        write(build_report(old["raw"], old["argv"], old["wall_s"], old["provenance"], old["settings"]), out_dir)
+        return 0
+    if not args.quick:
+        why = permitted()
+        if why is not None:
+            print(f"async_diloco benchmark skipped: {why} (needs root or CAP_SYS_ADMIN + CAP_NET_ADMIN for "
+                  "unshare -n and tc)")
+            return 0
+    waited, load = (0.0, list(os.getloadavg())) if args.wait_load is None else \
+        wait_for_load(args.wait_load, args.wait_max_s)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="async-diloco-") as tmp:
+        result = Path(tmp) / "raw.json"
+        cmd = [sys.executable, "-m", "experiments.benchmarks.async_diloco", "--inside", "--result", str(result),
+               "--idle-s", str(args.idle_s), "--row-timeout-s", str(args.row_timeout_s)]
+        cmd += ["--quick"] if args.quick else ["--shape", "--rows", *args.rows]
+        if args.text:
+            cmd += ["--text", str(args.text.resolve())]
+        if args.log_dir:
+            cmd += ["--log-dir", str(args.log_dir.resolve())]
+        if not args.quick:
+            cmd = ["unshare", "-n", "sh", "-c",
+                   f"ip link set lo up && ip link set lo mtu {MTU} && exec {shlex.join(cmd)}"]
+        r = subprocess.run(cmd, cwd=REPO, check=False)
+        if r.returncode != 0 or not result.exists():
+            print(f"the rows failed (exit {r.returncode})", file=sys.stderr)
+            return 1
+        raw = json.loads(result.read_text())
+    write(build_report(raw, argv, time.time() - t0, provenance(load, waited, args.wait_load), settings), out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
