@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import layout
-from compjax.codecs.bucket import make_bucket
+from compjax.codecs.bucket import BUCKET_CAP_BYTES, group_by_size, make_bucket
 
 AxisName = Hashable | None
 
@@ -573,10 +573,18 @@ def dense_mean_arrays(
     arrays: Sequence[jnp.ndarray], axis_name: AxisName, *, prescale: bool = False,
     shards: Sequence[bool] | None = None,
 ) -> tuple[list[jnp.ndarray], int]:
-    """Mean over workers of several arrays, bucketed: one all-reduce per dtype.
+    """Mean over workers of several arrays, bucketed: per dtype, buckets of at most 64 MiB.
 
-    The arrays are raveled into one flat buffer per dtype (usually one), reduced
-    with :func:`dense_mean` and split back.  float16 buffers are always
+    The arrays of each dtype are raveled into flat buffers of at most
+    :data:`compjax.codecs.bucket.BUCKET_CAP_BYTES` (64 MiB) each, consecutive
+    arrays together (:func:`compjax.codecs.bucket.group_by_size`; an array
+    larger than that is reduced on its own, without a copy), each reduced with
+    :func:`dense_mean` and split back: no buffer the size of the whole model
+    is built, and ``payload_bytes`` is the sum over the buffers, the bytes one
+    buffer per dtype would carry.  Under a two-level step's fast axis
+    (:func:`compjax.layout.current`), the arrays every fast device holds whole
+    stay in one bucket per dtype, so their padding to a multiple of the fast
+    size (and the bytes) is that of one buffer.  float16 buffers are always
     prescaled (divided by ``n`` before the sum) so their sum cannot overflow.
 
     Args:
@@ -612,42 +620,53 @@ def dense_mean_arrays(
             for i, m in zip(own + rest, means):
                 out[i] = m
             continue
-        bucket = make_bucket([arrays[i].shape for i in idxs])
-        flat = bucket.flatten([arrays[i] for i in idxs])
-        mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
-        total += nbytes
-        for i, m in zip(idxs, bucket.unflatten(mean)):
-            out[i] = m
+        groups = [idxs] if fast is not None else [[idxs[j] for j in g] for g in group_by_size(
+            [_nbytes(arrays[i]) for i in idxs], BUCKET_CAP_BYTES)]
+        for group in groups:
+            bucket = make_bucket([arrays[i].shape for i in group])
+            flat = bucket.flatten([arrays[i] for i in group])
+            mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
+            total += nbytes
+            for i, m in zip(group, bucket.unflatten(mean)):
+                out[i] = m
     return out, total  # type: ignore[return-value]
 
 
 def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
-    """:func:`dense_mean_arrays` of one dtype: shards ``own`` sent as they are, the bucket of ``rest`` in pieces."""
+    """:func:`dense_mean_arrays` of one dtype: shards ``own`` sent as they are, the bucket of ``rest`` in pieces.
+
+    The shards and this device's piece of the ``rest`` bucket go in buffers of
+    at most :data:`BUCKET_CAP_BYTES` (a shard above it alone, without a copy),
+    one all-reduce each: the bytes of one buffer holding them all.
+    """
     n = num_workers(axis_name)
     dtype = own[0].dtype
     prescale = prescale or dtype == jnp.float16
-    flat_own = jnp.concatenate([jnp.ravel(x) for x in own])
-    parts = [flat_own]
+    parts = [jnp.ravel(x) for x in own]
     if rest:
         bucket = make_bucket([x.shape for x in rest])
         whole = bucket.flatten(rest)
         piece, _ = _piece(whole, fast)
         parts.append(piece)
-    buf = jnp.concatenate(parts)
-    if prescale:
-        buf = buf / jnp.asarray(n, dtype)
-    with _scope("dense_mean"):
-        buf = jax.lax.psum(buf, axis_name)
-    if not prescale:
-        buf = buf / jnp.asarray(n, dtype)
     f = int(jax.lax.axis_size(fast))
-    means, at = [], 0
-    for x in own:
-        means.append(buf[at: at + int(x.size)].reshape(x.shape))
-        at += int(x.size)
+    reduced, nbytes = [], 0
+    for group in group_by_size([_nbytes(p) for p in parts], BUCKET_CAP_BYTES):
+        buf = parts[group[0]] if len(group) == 1 else jnp.concatenate([parts[j] for j in group])
+        if prescale:
+            buf = buf / jnp.asarray(n, dtype)
+        with _scope("dense_mean"):
+            buf = jax.lax.psum(buf, axis_name)
+        if not prescale:
+            buf = buf / jnp.asarray(n, dtype)
+        nbytes += f * reduce_bytes(buf)
+        at = 0
+        for j in group:
+            reduced.append(buf[at: at + int(parts[j].size)])
+            at += int(parts[j].size)
+    means = [r.reshape(x.shape) for r, x in zip(reduced, own)]
     if rest:
-        means += bucket.unflatten(_join(buf[at:], whole, fast))
-    return means, f * reduce_bytes(buf)
+        means += bucket.unflatten(_join(reduced[-1], whole, fast))
+    return means, nbytes
 
 
 def sparse_mean(

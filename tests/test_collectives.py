@@ -101,3 +101,29 @@ def test_cond_unified_traces_the_first_branch_once_and_unifies_varying_axes(take
     want_mean = np.tile(xs.mean(0), 4) if take else xs.ravel()
     np.testing.assert_allclose(np.asarray(mean), want_mean, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(state), xs.ravel() * 2.0 if take else 0.0)
+
+
+def test_dense_mean_arrays_caps_its_buckets_and_counts_the_same_bytes(monkeypatch):
+    """Buckets of at most BUCKET_CAP_BYTES: a larger array alone, smaller ones together; the bytes unchanged."""
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(4, n)).astype(np.float32) for n in (3, 5, 40, 2, 6)]
+    h = rng.normal(size=(4, 7)).astype(np.float16)
+
+    def f(*arrays):
+        means, nbytes = collectives.dense_mean_arrays(list(arrays), AXIS)
+        return means, jnp.asarray(nbytes)
+
+    def psums(*arrays):
+        jaxpr = jax.make_jaxpr(jax.vmap(f, axis_name=AXIS))(*arrays)
+        return sum(e.primitive.name == "psum" for e in jaxpr.jaxpr.eqns)
+
+    whole_means, whole_bytes = jax.vmap(f, axis_name=AXIS)(*xs, h)
+    assert psums(*xs, h) == 2  # one bucket per dtype under the default cap
+    monkeypatch.setattr(collectives, "BUCKET_CAP_BYTES", 40)  # float32: [3, 5] (32 B), [40] alone, [2, 6] (32 B)
+    means, nbytes = jax.vmap(f, axis_name=AXIS)(*xs, h)
+    assert psums(*xs, h) == 4  # three float32 buckets and the float16 one (14 B)
+    for m, w, x in zip(means, whole_means, xs + [h]):
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(w))
+        assert m.shape == x.shape and m.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(means[2])[0], xs[2].mean(0), rtol=1e-6)
+    assert int(nbytes[0]) == int(whole_bytes[0]) == (3 + 5 + 40 + 2 + 6) * 4 + 7 * 2

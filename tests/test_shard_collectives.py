@@ -123,3 +123,17 @@ def test_top_k_on_shards_breaks_ties_as_the_whole_layer_does(name):
 
     make, _ = CONVERTED[name]
     _run(optax.chain(make(), optax.sgd(0.1)), steps=2, loss_fn=tied)
+
+
+def test_dense_mean_on_shards_with_capped_buckets_equals_the_replicated_layout(monkeypatch):
+    """Buckets of 8 KiB: w1's shard (16 KiB) and w2's (8 KiB) each in an all-reduce of its own, the same bytes and numbers."""
+    from compjax import collectives
+
+    monkeypatch.setattr(collectives, "BUCKET_CAP_BYTES", 8192)
+    ops, mesh, shard_bytes = _run(optax.chain(cj.identity(axis_name="data"), optax.sgd(0.1)))
+    assert sorted(shard_bytes) == [8192, 16384]
+    slow = [_operand_bytes(dtype, shape) for op in ops if op.op == "all-reduce"
+            and cj.accounting.collective_axes(op, mesh) == ("data",)
+            for (dtype, shape), where in zip(op.operands, op.scopes) if "dense_mean" in where]
+    # w2's shard, w1's shard, the piece of the whole leaves (b1, b2: 288 floats / 4 devices); no 24 KiB buffer.
+    assert sorted(slow) == [72 * 4, 8192, 16384], slow

@@ -57,3 +57,44 @@ def make_bucket(shapes: Sequence[Sequence[int]]) -> Bucket:
         offsets.append(total)
         total += n
     return Bucket(shapes, sizes, tuple(offsets), total)
+
+
+#: Largest flat buffer (bytes) :func:`compjax.collectives.dense_mean_arrays` builds for one all-reduce: 64 MiB.
+#: Larger buckets would copy a whole model's gradients into one buffer (as many bytes again as the
+#: gradients themselves); an array larger than this is reduced on its own, without a copy.
+BUCKET_CAP_BYTES = 64 * 2**20
+
+
+def group_by_size(nbytes: Sequence[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
+    """Consecutive groups of indices whose bytes sum to at most ``cap`` each; an item above ``cap`` alone.
+
+    Args:
+      nbytes: the bytes of each item (arrays in bucket order), non-negative ints.
+      cap: the largest sum of a group (bytes), a positive int.
+
+    Returns:
+      The groups, lists of indices into ``nbytes`` in their order, covering
+      every index once (``[]`` for no items).  Items stay in order: the
+      concatenation of the groups is ``range(len(nbytes))``.
+
+    Raises:
+      ValueError: ``cap`` not a positive int, or a negative entry of ``nbytes``.
+
+    Examples:
+      >>> group_by_size([10, 20, 50, 5, 5], cap=40)
+      [[0, 1], [2], [3, 4]]
+    """
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+        raise ValueError(f"cap must be a positive int (bytes), got {cap!r}")
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(nbytes):
+        if n < 0:
+            raise ValueError(f"nbytes[{i}] must be >= 0, got {n}")
+        if groups and total + n <= cap:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
