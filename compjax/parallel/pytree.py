@@ -50,6 +50,7 @@ def data_parallel_step(
     rng: bool = False,
     donate: bool = False,
     independent: bool = False,
+    compute_dtype: Any = None,
 ) -> Callable[..., tuple]:
     """Build a jitted data-parallel train step under ``jax.shard_map``.
 
@@ -89,6 +90,23 @@ def data_parallel_step(
     :func:`compjax.audit_collectives` (they carry no payload); ``loss_fn``
     cannot itself issue collectives over the fast axis.
 
+    With ``compute_dtype`` (mixed precision, e.g. ``jnp.bfloat16``), the
+    parameters stay in their own dtype (the float32 master copy, updated by
+    ``tx`` with float32 optimizer and error-feedback state) and the step casts
+    every floating-point parameter leaf to ``compute_dtype`` before
+    ``loss_fn`` sees it, differentiating with respect to that copy: the loss
+    runs in ``compute_dtype`` and the gradient comes out in it (half the
+    bytes of a float32 gradient for bfloat16; with ``specs``, the gathers
+    inside the host carry ``compute_dtype`` too).  Each gradient leaf is cast
+    back to its parameter's dtype where ``tx`` takes it (inside the update,
+    on each device's shards with ``specs``), so the compressor and the
+    optimizer see gradients of the parameters' dtype: what goes on the wire
+    is whatever the compressor makes of them (its payload dtype:
+    ``cj.cast(jnp.bfloat16)`` for a bfloat16 dense mean), as
+    :func:`compjax.audit_collectives` shows.  On a 2-D mesh without ``specs``,
+    the fast-axis mean runs in ``compute_dtype`` before the cast.  Integer
+    leaves are passed as they are.
+
     A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
     is :func:`worker_step` over it.
 
@@ -112,6 +130,10 @@ def data_parallel_step(
       independent: the workers are meant to train apart (local SGD, an
         ensemble): no warning when ``tx`` holds no compjax compressor or
         algorithm.
+      compute_dtype: None (the default: the loss sees the parameters as they
+        are), or a floating-point dtype (``jnp.bfloat16``, ``jnp.float16``)
+        the loss and its gradient run in, the parameters and ``tx``'s state
+        kept in their own dtype (see above).
 
     Returns:
       ``step(params, opt_state, batch[, key]) -> (params, opt_state, loss[, aux])``;
@@ -123,7 +145,8 @@ def data_parallel_step(
 
     Raises:
       ValueError: when built, ``axis_name`` or ``fast_axis`` not an axis of ``mesh``,
-        or a flag (``has_aux``, ``rng``, ``donate``) not a bool, or with
+        or a flag (``has_aux``, ``rng``, ``donate``) not a bool, or
+        ``compute_dtype`` neither None nor a floating-point dtype, or with
         ``specs`` a ``tx`` holding a transform that reduces over whole layers
         (``optax.clip_by_global_norm``: use :func:`compjax.clip_by_global_norm`;
         :func:`compjax.compressors.clip.check_sharded_chain`); at the first
@@ -140,23 +163,24 @@ def data_parallel_step(
     check_flags(has_aux=has_aux, rng=rng, donate=donate, independent=independent)
     if fast_axis is not None:
         check_axis(mesh, fast_axis)
+    compute_dtype = _check_compute_dtype(compute_dtype)
     if not independent:
         warn_no_exchange(tx, "data_parallel_step", axis_name)
     clip.warn_local_norms(tx)
     if specs is not None:
         clip.check_sharded_chain(tx)
-        return _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate)
+        return _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate, compute_dtype)
     axes = worker_axes(mesh, axis_name, fast_axis)[1]
 
     def body(params, opt_state, batch, *key):  # one worker's values, its key folded (build_step)
-        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch, *key)
+        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(to_compute(params, compute_dtype), batch, *key)
         loss, aux = out if has_aux else (out, None)
         if fast_axis is not None:
-            grads = _fast_mean(grads, fast_axis)
+            grads = like_params(_fast_mean(grads, fast_axis), params)
             with layout.fast_layout(fast_axis):  # one host's devices share the slow-axis payload
                 updates, opt_state = tx.update(grads, opt_state, params)
         else:
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(like_params(grads, params), opt_state, params)
         params = optax.apply_updates(params, updates)
         return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
@@ -165,12 +189,41 @@ def data_parallel_step(
     return keyed(jitted, mesh) if rng else jitted
 
 
+def _check_compute_dtype(compute_dtype: Any) -> Any:
+    """``compute_dtype`` as a ``jnp.dtype`` (or None); a ValueError naming it when it is not a floating-point dtype."""
+    if compute_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"compute_dtype must be None or a floating-point dtype (jnp.bfloat16, jnp.float16, "
+                         f"jnp.float32), got {compute_dtype!r}")
+    return dtype
+
+
+def to_compute(params: Any, compute_dtype: Any) -> Any:
+    """The floating-point leaves of ``params`` cast to ``compute_dtype`` (None: ``params`` as they are)."""
+    if compute_dtype is None:
+        return params
+    return jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(jnp.result_type(p), jnp.floating)
+                        else p, params)
+
+
+def like_params(grads: Any, params: Any) -> Any:
+    """Each gradient leaf in its parameter's dtype (a no-op where they agree)."""
+    return jax.tree.map(lambda g, p: g if g.dtype == jnp.result_type(p) else g.astype(jnp.result_type(p)),
+                        grads, params)
+
+
 def _logical(tree: Any) -> Any:
     """Shapes and dtypes of a worker-stacked tree without its worker axis."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)), tree)
 
 
-def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate) -> Callable[..., tuple]:
+def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, donate,
+                  compute_dtype=None) -> Callable[..., tuple]:
     """:func:`data_parallel_step` over parameters sharded by ``specs`` (built at the first call, per tree)."""
     def build(params, opt_state):
         logical = _logical(params)
@@ -192,12 +245,13 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         value_and_grad = per_device_value_and_grad(loss_fn, fast, has_aux, own_specs)
 
         def update(params, opt_state, grads):  # this device's shards (and whole leaves)
+            grads = like_params(grads, params)  # compute_dtype's gradient cast where tx takes it
             with layout.fast_layout(fast, grads, dims):
                 updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
         def body(params, opt_state, chunks, *keys):  # one worker's logical arrays, sharded over the fast axis
-            (loss, aux), grads = value_and_grad(params, chunks, *keys)
+            (loss, aux), grads = value_and_grad(to_compute(params, compute_dtype), chunks, *keys)
             params, opt_state = on_shards(update, fast, (own_specs, state_own, own_specs),
                                           (own_specs, state_own))(params, opt_state, grads)
             return (params, opt_state, loss) + ((aux,) if has_aux else ())

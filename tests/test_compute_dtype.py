@@ -1,0 +1,123 @@
+"""Mixed precision in data_parallel_step (compute_dtype=): the loss and its gradient in bfloat16, float32 master
+parameters and optimizer state, the gradient cast back where tx takes it; 1-D, replicated 2-D and sharded."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import compjax as cj
+from compjax import parallel
+
+SLOW, FAST = 2, 4
+LR = 0.5
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {"w1": jnp.asarray(rng.normal(size=(64, 256)) * 0.1, jnp.float32), "b1": jnp.zeros(256),
+            "w2": jnp.asarray(rng.normal(size=(256, 32)) * 0.1, jnp.float32), "b2": jnp.zeros(32)}
+
+
+def _batches(steps=3):
+    rng = np.random.default_rng(1)
+    return [(rng.normal(size=(32, 64)).astype(np.float32), rng.normal(size=(32, 32)).astype(np.float32))
+            for _ in range(steps)]
+
+
+def _loss(seen):
+    def loss(p, batch):
+        seen.update(jnp.result_type(v).name for v in jax.tree.leaves(p))  # at trace time: what the loss sees
+        x, y = batch
+        h = jnp.tanh(x.astype(p["w1"].dtype) @ p["w1"] + p["b1"])
+        out = h @ p["w2"] + p["b2"]
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+    return loss
+
+
+def _recorder(seen):
+    """An optax transform (first in the chain) recording the dtypes of the gradients tx takes, at trace time."""
+    def update(g, state, params=None):
+        seen.update(jnp.result_type(v).name for v in jax.tree.leaves(g))
+        return g, state
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def _reference(init, batches, parts):
+    """One device: the same bfloat16 cast, the mean of ``parts`` chunks' losses, the float32 SGD update."""
+    p = init
+    for x, y in batches:
+        def mean_loss(cp):
+            chunks = zip(np.split(x, parts), np.split(y, parts))
+            return jnp.mean(jnp.stack([_loss(set())(cp, c) for c in chunks]))
+        g = jax.grad(mean_loss)(jax.tree.map(lambda v: v.astype(jnp.bfloat16), p))
+        p = jax.tree.map(lambda v, d: v - LR * d.astype(jnp.float32), p, g)
+    return p
+
+
+def _close(got, want, init):
+    for k in want:  # against the step each parameter took: bfloat16 sums in another order differ by rounding
+        delta = np.abs(np.asarray(want[k]) - np.asarray(init[k])).max()
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=0, atol=0.02 * delta + 1e-7,
+                                   err_msg=k)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "replicated_2d", "one_axis"])
+def test_compute_dtype_runs_the_loss_in_bfloat16_and_keeps_float32_master_and_state(layout):
+    init, batches = _params(), _batches()
+    loss_seen, grad_seen = set(), set()
+    tx = optax.chain(_recorder(grad_seen), cj.identity(axis_name="data"), optax.sgd(LR))
+    if layout == "one_axis":
+        mesh = parallel.make_mesh(SLOW * FAST)
+        kw, place = {}, {}
+    else:
+        mesh = parallel.make_2d_mesh(SLOW, FAST)
+        specs = parallel.fsdp_specs(init, mesh, min_size=1024)
+        kw = {"specs": specs} if layout == "sharded" else {"fast_axis": "fast"}
+        place = {"specs": specs} if layout == "sharded" else {"fast_axis": "fast"}
+    params = parallel.replicate(init, mesh, **place)
+    state = parallel.init_worker_state(tx, init, mesh, **place)
+    step = parallel.data_parallel_step(_loss(loss_seen), tx, mesh, compute_dtype=jnp.bfloat16, **kw)
+    for b in batches:
+        params, state, loss = step(params, state, parallel.shard_batch(b, mesh, **({} if layout == "one_axis"
+                                                                                   else {"fast_axis": "fast"})))
+    assert loss_seen == {"bfloat16"}  # the loss sees the cast copy
+    assert grad_seen == {"float32"}  # tx takes gradients in the parameters' dtype
+    assert {jnp.result_type(v).name for v in jax.tree.leaves(params)} == {"float32"}
+    got = parallel.gather(params)
+    got = {k: v[0] for k, v in got.items()}
+    _close(got, _reference(init, batches, SLOW * FAST), init)
+
+
+def test_compute_dtype_halves_the_gradient_bytes_the_loss_produces():
+    """The gradient leaves of the sharded step's loss are bfloat16 in the compiled program (the converts to float32
+    sit on the device's shards, where tx takes them)."""
+    init = _params()
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    specs = parallel.fsdp_specs(init, mesh, min_size=1024)
+    tx = optax.chain(cj.identity(axis_name="data"), optax.sgd(LR))
+    params = parallel.replicate(init, mesh, specs=specs)
+    state = parallel.init_worker_state(tx, init, mesh, specs=specs)
+    batch = parallel.shard_batch(_batches(1)[0], mesh, fast_axis="fast")
+    casts = {}
+    for name, dtype in (("bf16", jnp.bfloat16), ("f32", None)):
+        step = parallel.data_parallel_step(_loss(set()), tx, mesh, specs=specs, compute_dtype=dtype)
+        text = step.lower(params, state, batch).as_text()
+        casts[name] = set(re.findall(r"convert[^\n]*\(tensor<([0-9x]+)xbf16>\) -> tensor<[0-9x]+xf32>", text))
+    # w1's gradient shard (64 x 64 of 64 x 256) and w2's (64 x 32 of 256 x 32) come out of the loss in bfloat16
+    # and are cast to float32 on the device; the float32 step has no bfloat16 at all.
+    assert {"64x64", "64x32"} <= casts["bf16"], casts["bf16"]
+    assert casts["f32"] == set()
+
+
+@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope", 3])
+def test_compute_dtype_must_be_a_floating_point_dtype(bad):
+    mesh = parallel.make_mesh(SLOW * FAST)
+    tx = optax.chain(cj.identity(axis_name="data"), optax.sgd(LR))
+    with pytest.raises(ValueError, match="compute_dtype"):
+        parallel.data_parallel_step(_loss(set()), tx, mesh, compute_dtype=bad)
