@@ -622,14 +622,51 @@ def dense_mean_arrays(
             continue
         groups = [idxs] if fast is not None else [[idxs[j] for j in g] for g in group_by_size(
             [_nbytes(arrays[i]) for i in idxs], BUCKET_CAP_BYTES)]
+        mean = None
         for group in groups:
             bucket = make_bucket([arrays[i].shape for i in group])
             flat = bucket.flatten([arrays[i] for i in group])
+            if mean is not None and axis_name is not None:  # one all-reduce after the other (_after)
+                flat = _after(flat, _after_token(mean))
             mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
             total += nbytes
             for i, m in zip(group, bucket.unflatten(mean)):
                 out[i] = m
     return out, total  # type: ignore[return-value]
+
+
+def _after_token(prev: jnp.ndarray) -> jnp.ndarray:
+    """A uint32 scalar that is always 0 but that XLA must compute from ``prev`` (one word of it): see :func:`_after`.
+
+    None when ``prev`` is empty (nothing to wait for).
+    """
+    word = jnp.ravel(prev)[:1]
+    if word.size == 0:
+        return None
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(word.dtype).itemsize]
+    return jnp.minimum(jax.lax.bitcast_convert_type(word, bits), 0)[0].astype(jnp.uint32)
+
+
+def _after(x: jnp.ndarray, token: jnp.ndarray) -> jnp.ndarray:
+    """``x`` unchanged (bit for bit), computed after ``token`` (:func:`_after_token` of an array).
+
+    XLA orders operations by their data only, and combines independent
+    all-reduces into one instruction, whose operands and results are then all
+    alive at once: a whole model's gradients twice, however the buckets were
+    capped.  A select on ``token == 1`` (never true, but not known to the
+    compiler) makes ``x`` depend on the bucket ``token`` was read from, so
+    each bucket's all-reduce follows the one before and its operand can be
+    freed as its result is made.  The compare and the select fuse into the
+    pass that writes ``x``.
+
+    Args:
+      x: any array.
+      token: a uint32 scalar from :func:`_after_token` (always 0), or None (``x`` as it is).
+
+    Returns:
+      ``x``, same shape, dtype and bits.
+    """
+    return x if token is None else jnp.where(token == 1, jnp.zeros_like(x), x)
 
 
 def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
@@ -652,6 +689,8 @@ def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
     reduced, nbytes = [], 0
     for group in group_by_size([_nbytes(p) for p in parts], BUCKET_CAP_BYTES):
         buf = parts[group[0]] if len(group) == 1 else jnp.concatenate([parts[j] for j in group])
+        if reduced:  # one all-reduce after the other: XLA would combine them, all operands and results alive
+            buf = _after(buf, _after_token(reduced[-1]))
         if prescale:
             buf = buf / jnp.asarray(n, dtype)
         with _scope("dense_mean"):

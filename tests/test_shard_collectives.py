@@ -132,8 +132,12 @@ def test_dense_mean_on_shards_with_capped_buckets_equals_the_replicated_layout(m
     monkeypatch.setattr(collectives, "BUCKET_CAP_BYTES", 8192)
     ops, mesh, shard_bytes = _run(optax.chain(cj.identity(axis_name="data"), optax.sgd(0.1)))
     assert sorted(shard_bytes) == [8192, 16384]
-    slow = [_operand_bytes(dtype, shape) for op in ops if op.op == "all-reduce"
-            and cj.accounting.collective_axes(op, mesh) == ("data",)
-            for (dtype, shape), where in zip(op.operands, op.scopes) if "dense_mean" in where]
+    per_op = [[_operand_bytes(dtype, shape) for (dtype, shape), where in zip(op.operands, op.scopes)
+               if "dense_mean" in where] for op in ops
+              if op.op == "all-reduce" and cj.accounting.collective_axes(op, mesh) == ("data",)]
+    slow = sorted(b for op in per_op for b in op)
     # w2's shard, w1's shard, the piece of the whole leaves (b1, b2: 288 floats / 4 devices); no 24 KiB buffer.
-    assert sorted(slow) == [72 * 4, 8192, 16384], slow
+    assert slow == [72 * 4, 8192, 16384], slow
+    # Each in an all-reduce of its own, one after the other: XLA did not combine them into one instruction
+    # (whose operands and results would all be alive at once).
+    assert sorted(len(op) for op in per_op if op) == [1, 1, 1], per_op
