@@ -104,5 +104,5 @@ def topk(
 
     return compressor(
         TopkState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        honours_skip=True, on_shards=True,
+        honours_skip=True, on_shards=True, materialize=True,
     )
