@@ -31,8 +31,9 @@ class IdentityState(NamedTuple):
 def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> optax.GradientTransformationExtraArgs:
     """Dense all-reduce mean of local gradients: the uncompressed baseline.
 
-    All leaves go into one flat buffer per dtype and one all-reduce each, so a
-    float32 model costs ``4 * num_params`` bytes per worker per step (float16
+    The leaves go into flat buffers per dtype (at most 64 MiB each, a larger
+    leaf on its own: :func:`compjax.collectives.dense_mean_arrays`) and one
+    all-reduce each, one after the other, so a float32 model costs ``4 * num_params`` bytes per worker per step (float16
     buffers are divided by the number of workers before the sum, so the sum
     cannot overflow), plus the 4-byte non-finite vote.
 

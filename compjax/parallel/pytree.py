@@ -60,8 +60,8 @@ def data_parallel_step(
     updates.
 
     On a 2-D mesh (``fast_axis`` given, :func:`make_2d_mesh`), the local
-    gradients are first averaged densely over the fast axis (one bucketed
-    float all-reduce inside each host, ``collectives.dense_mean_arrays``), and
+    gradients are first averaged densely over the fast axis (bucketed float
+    all-reduces inside each host, ``collectives.dense_mean_arrays``), and
     ``tx`` sees that host-level mean: its compressor, built with ``axis_name``
     (the slow axis), compresses only what crosses between hosts.  The workers of
     one fast row then hold the same gradients, compressor states and
@@ -278,7 +278,7 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
 
 
 def _fast_mean(grads: Any, fast_axis: str) -> Any:
-    """Dense mean of the floating-point gradient leaves over ``fast_axis`` (one all-reduce per dtype)."""
+    """Dense mean of the floating-point gradient leaves over ``fast_axis`` (buckets of at most 64 MiB per dtype)."""
     leaves, treedef = jax.tree.flatten(grads)
     idx = [i for i, g in enumerate(leaves)
            if jnp.issubdtype(jnp.result_type(g), jnp.floating) and jnp.size(g) > 0]
