@@ -70,6 +70,7 @@ def build_step(
     in_specs: Sequence[Any] | None = None,
     out_specs: Any = None,
     donate: bool = False,
+    manual_only: bool = False,
 ) -> Any:
     """``jax.jit(jax.shard_map(...))`` of ``body`` over the worker-stacked layout.
 
@@ -88,6 +89,12 @@ def build_step(
       out_specs: a ``PartitionSpec`` or a tree of them, a prefix of the outputs
         with their worker axis; default ``P(worker_axes)`` for every output.
       donate: donate the stacked arguments' buffers.
+      manual_only: the ``shard_map`` is manual over ``worker_axes`` only
+        (``axis_names=``): the mesh's other axes stay automatic, so each
+        worker's arrays keep their own shardings over them (XLA's propagation
+        lays ``body`` out inside the worker) and only the collectives ``body``
+        issues over ``worker_axes`` cross between workers.  Outputs are then
+        not placed by ``out_shardings`` (``body`` constrains them).
 
     Returns:
       The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
@@ -123,10 +130,13 @@ def build_step(
     def run(*args: Any) -> Any:
         consts = tuple(a for a, k in zip(args, kinds) if k == "c")
         mapped = tuple(a for a, k in zip(args, kinds) if k != "c")
+        manual = {"axis_names": set(worker_axes if isinstance(worker_axes, tuple) else (worker_axes,))}
         sharded = jax.shard_map(functools.partial(per_worker, consts), mesh=mesh, in_specs=mapped_specs,
-                                out_specs=out_specs)
+                                out_specs=out_specs, **(manual if manual_only else {}))
         return sharded(*mapped)
 
+    if manual_only:
+        return jax.jit(run, static_argnums=static, donate_argnums=donated)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=_is_spec)
     return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
 
@@ -183,6 +193,12 @@ def build_sharded_step(
         stacked argument, the worker axis first.
       out_specs: a tree of ``PartitionSpec``s, a prefix of the outputs, with the worker axis.
       donate: donate the stacked arguments' buffers.
+      manual_only: the ``shard_map`` is manual over ``worker_axes`` only
+        (``axis_names=``): the mesh's other axes stay automatic, so each
+        worker's arrays keep their own shardings over them (XLA's propagation
+        lays ``body`` out inside the worker) and only the collectives ``body``
+        issues over ``worker_axes`` cross between workers.  Outputs are then
+        not placed by ``out_shardings`` (``body`` constrains them).
 
     Returns:
       The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).

@@ -7,7 +7,7 @@ static graph and worker-stacked state, merged back inside each worker and
 updated in place after the step.  On a mesh with axes besides the worker
 axis (a ``slow x fast`` mesh, parameters sharded by their own annotations)
 the step runs manual over the worker axis only and XLA partitions each
-worker's step over the other axes (:func:`_host_step`).
+worker's step over the other axes (``core.build_step(..., manual_only=True)``).
 """
 
 from __future__ import annotations
@@ -295,7 +295,12 @@ def worker_step(
     if others:
         # jitted(graphdef, kinds, layout, gstate, stacked, batches, keys): manual over the worker axis only, the
         # other axes automatic; each worker's state keeps its own sharding over them (layout: see _leaf_layout).
-        jitted = _host_step(body, mesh, axis_name, donate)
+        def host_body(graphdef, kinds, lay, gstate, stacked, batches, keys):
+            gstate, out = body(graphdef, kinds, gstate, stacked, batches, keys)
+            leaves, treedef = jax.tree.flatten(gstate)
+            return jax.tree.unflatten(treedef, _constrain(leaves, lay.gstate)), _keep_layout(out, lay)
+
+        jitted = build_step(host_body, mesh, axis_name, "cccssbk", donate=donate, manual_only=True)
     else:
         # jitted(graphdef, kinds, gstate, stacked, batches, keys): outputs placed P(axis_name) as replicate() places
         # them, so the second call does not compile again.
@@ -462,32 +467,3 @@ def _keep_layout(out: Any, lay: _Layout) -> Any:
         return type(out)(m if (m := match(o)) is not None else o for o in out)
     return out
 
-
-def _host_step(body: Callable[..., Any], mesh: Mesh, axis_name: str, donate: bool) -> Any:
-    """:func:`worker_step`'s jitted function on a mesh with axes besides the worker axis.
-
-    ``jax.jit`` of a ``jax.shard_map`` manual over ``axis_name`` only
-    (``axis_names={axis_name}``): each worker's state keeps its sharding over
-    the other (automatic) axes, which XLA's sharding propagation partitions
-    inside the worker, while compjax's collectives over ``axis_name`` are the
-    only ones that cross between workers (:mod:`compjax.collectives` spreads
-    their payload over the worker's devices).  ``body`` as for
-    :func:`compjax.parallel.core.build_step`'s kinds ``"ccssbk"``; the step's
-    arguments are ``(graphdef, kinds, layout, gstate, stacked, batches, keys)``,
-    the first three static.
-    """
-    worker = P(axis_name)
-
-    def run(graphdef, kinds, lay, gstate, stacked, batches, keys):
-        def per_worker(gstate, stacked, batches, keys):
-            gstate, stacked = jax.tree.map(lambda x: x[0], (gstate, stacked))
-            keys = jax.tree.map(lambda k: workers.fold_worker(k, axis_name), keys)
-            gstate, out = body(graphdef, kinds, gstate, stacked, batches, keys)
-            leaves, treedef = jax.tree.flatten(gstate)
-            gstate = jax.tree.unflatten(treedef, _constrain(leaves, lay.gstate))
-            return jax.tree.map(lambda x: x[None], (gstate, _keep_layout(out, lay)))
-
-        return jax.shard_map(per_worker, mesh=mesh, in_specs=(worker, worker, worker, P()), out_specs=worker,
-                             axis_names={axis_name})(gstate, stacked, batches, keys)
-
-    return jax.jit(run, static_argnums=(0, 1, 2), donate_argnums=(3, 4) if donate else ())
