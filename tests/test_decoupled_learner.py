@@ -80,6 +80,32 @@ def test_inner_steps_go_on_while_a_send_is_held_then_a_late_reply_is_mixed_with_
     assert lrn.stats.bytes_sent == [2 * 4 * (3 * 6 + 4)]  # identity: float32 outer gradients
 
 
+def test_with_late_reply_defer_a_fragment_due_again_before_its_reply_is_sent_after_it_without_blocking():
+    transport = HeldTransport(["a"])
+    syncer = Syncer(init(), learners=["a"], outer=optax.sgd(1.0))
+    lrn = learner("a", transport, late_reply="defer")
+    lrn.step(1.0)
+    lrn.step(1.0)  # fragment 0 sent after step 2; its send is held
+    assert transport.entered.wait(timeout=30)
+    lrn.step(1.0)
+    lrn.step(1.0)  # due again after step 4, no reply yet: deferred, the learner does not wait
+    assert lrn.count == 4 and lrn.stats.sends == [1] and lrn.stats.wait_seconds == 0.0
+    transport.release.set()
+    for reply in syncer.handle(transport.receive(timeout=30)):
+        transport.reply(reply)
+    lrn.step(1.0)  # the reply is mixed in, then the deferred fragment goes: its tokens cover steps 3 and 4
+    assert lrn.stats.sends == [2] and lrn.stats.delays == [[2]]
+    incoming = transport.receive(timeout=30)
+    assert incoming.header.step == 4 and incoming.header.tokens == 2.0 and incoming.header.base_version == 1
+    for reply in syncer.handle(incoming):
+        transport.reply(reply)
+    lrn.step(1.0)  # step 6: due, its reply came: sent at once
+    for reply in syncer.handle(transport.receive(timeout=30)):
+        transport.reply(reply)
+    lrn.finish()
+    assert lrn.stats.sends == [3] and syncer.versions() == [3]
+
+
 def test_a_silent_learner_holds_the_others_only_for_the_grace_window():
     """min_quorum = all three, "c" never sends: every round of a and b merges at the end of its window."""
     names = ["a", "b", "c"]
@@ -131,7 +157,7 @@ def test_error_feedback_stays_on_the_learner():
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"sync_every": 0}, "sync_every"), ({"fragments": 0}, "fragments"), ({"alpha": 1.5}, "alpha"),
-    ({"reply_timeout_s": 0.0}, "reply_timeout_s"), ({"compressor": "topk"}, "compressor"),
+    ({"reply_timeout_s": 0.0}, "reply_timeout_s"), ({"compressor": "topk"}, "compressor"), ({"late_reply": "skip"}, "late_reply"),
 ])
 def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -99,7 +99,10 @@ class Learner:
     without overlap: with every learner waiting and a full quorum, the system
     computes :func:`compjax.diloco`'s global parameters).  A fragment is never
     sent twice at once: when it is due again before its reply came, the learner
-    waits for that reply first.  A refusal of a stale contribution carries the
+    waits for that reply first (``late_reply="wait"``), or (``"defer"``) goes on
+    with its inner steps and sends the fragment right after the reply is mixed
+    in, its outer gradient and its tokens then covering the extra steps (the
+    learner never blocks on the syncer; the merge weights count the tokens).  A refusal of a stale contribution carries the
     current global values and is mixed in the same way; other refusals are
     recorded in :attr:`stats` and logged.
 
@@ -133,6 +136,8 @@ class Learner:
       alpha: weight of the local parameters in the merge, in [0, 1] (unused with
         ``wait_for_merge``).
       wait_for_merge: block after each send until the merged fragment comes back.
+      late_reply: when a fragment is due again before its previous reply came:
+        ``"wait"`` (block for it) or ``"defer"`` (train on; send once it came).
       reply_timeout_s: the longest wait for one reply, > 0, or None (forever).
       worker_index: folded into the compressor's PRNG keys, an integer in [0, 2**31);
         default :func:`default_worker_index` of ``name`` (distinct names draw differently).
@@ -188,6 +193,7 @@ class Learner:
         compressor: optax.GradientTransformation | None = None,
         alpha: float = 0.5,
         wait_for_merge: bool = False,
+        late_reply: str = "wait",
         reply_timeout_s: float | None = None,
         worker_index: int | None = None,
         start: Start | None = None,
@@ -195,6 +201,8 @@ class Learner:
         check_range("sync_every", sync_every, 1, None, integer=True, static=True)
         check_range("fragments", fragments, 1, None, integer=True, static=True)
         check_range("alpha", alpha, 0.0, 1.0)
+        if late_reply not in ("wait", "defer"):
+            raise ValueError(f"late_reply must be 'wait' or 'defer', got {late_reply!r}")
         if reply_timeout_s is not None:
             check_range("reply_timeout_s", reply_timeout_s, 0.0, None, lo_open=True)
         index = default_worker_index(name) if worker_index is None else worker_index
@@ -212,6 +220,8 @@ class Learner:
         self._H = int(sync_every)
         self._alpha = float(alpha)
         self._wait = bool(wait_for_merge)
+        self._defer = late_reply == "defer"
+        self._deferred: set[int] = set()  # fragments due while their previous reply was still out
         self._timeout = reply_timeout_s
         self._index = fragment_assignment(params, int(fragments))
         self._offsets = [(p * self._H) // len(self._index) for p in range(len(self._index))]
@@ -307,6 +317,9 @@ class Learner:
         self._tokens = [t + float(tokens) for t in self._tokens]
         due = self.due(self.count)
         for p in due:
+            if p in self._outstanding and self._defer:  # sent once its reply is mixed in (_send_deferred)
+                self._deferred.add(p)
+                continue
             while p in self._outstanding:  # never two sends of one fragment at once
                 self._await_reply()
             self._send(p)
@@ -316,9 +329,11 @@ class Learner:
         return loss
 
     def finish(self) -> None:
-        """Wait for the sends in flight and their replies (mixed in), then stop the sender thread."""
+        """Send the deferred fragments, wait for the sends in flight and their replies (mixed in), stop the sender."""
+        self._send_deferred()
         while self._outstanding:
             self._await_reply()
+            self._send_deferred()
         for f in self._sends:
             f.result()
         self._sender.shutdown(wait=True)
@@ -379,6 +394,13 @@ class Learner:
     def _apply_replies(self) -> None:
         while (reply := self._transport.poll(self.name, timeout=0.0)) is not None:
             self._use(reply)
+        self._send_deferred()
+
+    def _send_deferred(self) -> None:
+        """Send each deferred fragment whose reply came (``late_reply="defer"``)."""
+        for p in sorted(self._deferred - set(self._outstanding)):
+            self._deferred.discard(p)
+            self._send(p)
 
     def _use(self, reply: Reply) -> None:
         p = reply.fragment
