@@ -82,6 +82,21 @@ def test_token_weighted_merges_match_numpy():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_the_merge_does_not_depend_on_the_order_of_arrival():
+    """The same contributions, delivered in two orders over three rounds: bit-identical global model and outer state."""
+    names = ["w", *NAMES]
+    runs = []
+    for order in (names, names[::-1]):
+        s = Syncer(init(), learners=names)
+        for rnd in range(3):
+            msgs = {n: message(s, n, 0, rnd, (1.0, 3.0, 7.0, 0.1)[i], seed=10 * rnd + i) for i, n in enumerate(names)}
+            for n in order:
+                s.submit(msgs[n])
+        assert s.merges[-1] == (0, 3, tuple(order))  # the record keeps the order of arrival
+        runs.append(snapshot(s))
+    assert runs[0] == runs[1]
+
+
 def test_quorum_merges_without_the_missing_learner_and_fragments_are_independent():
     s = Syncer(init(), learners=NAMES, fragments=3, min_quorum=2, outer=optax.sgd(1.0))
     assert s.submit(message(s, "x", 1, 0, 1.0, seed=1)) == []

@@ -72,7 +72,10 @@ class Syncer:
         θ^g_p ← θ^g_p + OuterOpt(Δ̄_p)                (default Nesterov SGD, lr 0.7, momentum 0.9)
         v_p   ← v_p + 1
 
-    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).  With
+    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).  The sum
+    runs over the contributions sorted by learner name, not in their order of
+    arrival, so the merged values do not depend on which came first (bit for
+    bit: two runs with the same rounds give the same global model).  With
     ``min_quorum`` = all learners, equal tokens and no staleness this is exactly
     the outer step of :func:`compjax.diloco` (DiLoCo, Douillard et al. 2023;
     Streaming DiLoCo, Douillard et al. 2025, with fragments): the mean over
@@ -497,9 +500,10 @@ class Syncer:
     def _merge_round(self, p: int, why: str) -> list[Reply]:
         r = self._rounds[p]
         self._rounds[p] = None
-        names = list(r.entries)
-        weights = jnp.asarray([r.entries[k][0] for k in names], jnp.float32)
-        stacked = [jnp.stack([r.entries[k][1][j] for k in names]) for j in range(len(self._global[p]))]
+        names = list(r.entries)  # arrival order: the record and the replies
+        order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
+        weights = jnp.asarray([r.entries[k][0] for k in order], jnp.float32)
+        stacked = [jnp.stack([r.entries[k][1][j] for k in order]) for j in range(len(self._global[p]))]
         new, outer_state = self._merge(self._global[p], self._outer[p], stacked, weights)
         self._global[p], self._outer[p] = list(new), outer_state
         self._version[p] += 1
