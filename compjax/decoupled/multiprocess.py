@@ -19,8 +19,11 @@ name.  Control messages are small JSON frames:
 
 Arrays move with ``jax.experimental.transfer``: every process runs one transfer server on
 127.0.0.1; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
-``connect(address).pull(uuid, specs)``.  A pull from a process that died fails at once; a pull
-that hangs is abandoned after ``pull_timeout_s`` (the contribution is refused).
+``connect(address).pull(uuid, specs)``.  A pull from a process that died fails at once; a receive
+(the pull and the arrival of its arrays) that takes longer than ``pull_timeout_s`` is abandoned:
+the contribution is refused, and the syncer pulls nothing more from that learner until it says
+``hello`` again (a learner killed in the middle of a transfer never completes it).  A learner
+receives the merged fragments on a background thread, so their transfers overlap its inner steps.
 
 ZeroMQ rather than gRPC: no schema compiler or generated stubs, ROUTER/DEALER sockets that address
 peers by name and reconnect by themselves (a restarted syncer on the same address is found again
@@ -29,7 +32,6 @@ without any code here).  ``pyzmq`` is an optional dependency: ``pip install 'com
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -105,12 +107,24 @@ def _offer(arrays) -> int:
     return uuid
 
 
+def _transfer(address: str, uuid: int, specs: list) -> list:
+    """Start pulling transfer ``uuid`` from ``address``: arrays that are complete once their values arrive."""
+    return transfer_server().connect(address).pull(uuid, specs)
+
+
 def _pull(address: str, uuid: int, shapes, dtypes, timeout: float, what: str) -> tuple:
+    """The arrays of transfer ``uuid`` as NumPy arrays; the whole receive bounded by ``timeout`` seconds.
+
+    ``pull`` returns before the values have arrived: waiting for them (``np.asarray``) is part of
+    the bounded receive, so a sender that dies mid-transfer costs at most ``timeout``.
+
+    Raises:
+      TimeoutError: the arrays did not arrive within ``timeout`` seconds.
+    """
     if not shapes:
         return ()
     specs = _specs(shapes, dtypes)
-    got = _bounded(lambda: transfer_server().connect(address).pull(uuid, specs), timeout, what)
-    return tuple(np.asarray(x) for x in got)
+    return _bounded(lambda: tuple(np.asarray(x) for x in _transfer(address, uuid, specs)), timeout, what)
 
 
 def _header_dict(h: Header) -> dict:
@@ -148,7 +162,11 @@ class MultiProcessTransport(Transport):
     (:meth:`Syncer.serve <compjax.decoupled.Syncer.serve>` attaches itself): a new name is
     registered (a late join) and every learner gets the current global values.  The learner side
     runs a background thread that sends heartbeats and receives frames, so a learner inside a long
-    step (a compile) stays alive for the syncer.  When the syncer restarts (a new id in its
+    step (a compile) stays alive for the syncer, and a second one that pulls the arrays of each
+    reply: :meth:`poll` hands out replies already received, so a transfer never stalls the
+    thread that trains.  On the syncer's side, a contribution whose receive fails or takes longer
+    than ``pull_timeout_s`` is refused, and its learner's later contributions are refused without
+    a pull until that learner says ``hello`` again.  When the syncer restarts (a new id in its
     heartbeats), the learner side says ``hello`` again and hands the learner, through
     :meth:`poll`, one refusal per fragment that carries the restarted syncer's global values and
     versions (``reason`` starts with ``'syncer restarted'``): the learner resumes from them as from
@@ -186,11 +204,12 @@ class MultiProcessTransport(Transport):
             self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._syncer = None
             self._record: _Record | None = None
+            self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
         else:
             self.address = address
             self._out: queue.Queue = queue.Queue()
-            self._inbox: queue.Queue = queue.Queue()
-            self._pending: collections.deque = collections.deque()
+            self._inbox: queue.Queue = queue.Queue()  # reply and welcome frames, arrays not yet pulled
+            self._ready: queue.Queue = queue.Queue()  # replies whose arrays are local: what poll hands out
             self._welcomes: queue.Queue = queue.Queue()
             self._syncer_id: str | None = None
             self._joined = False
@@ -200,6 +219,8 @@ class MultiProcessTransport(Transport):
             self._offers_lock = threading.Lock()
             self._io = threading.Thread(target=self._learner_loop, daemon=True, name=f"compjax-zmq-{name}")
             self._io.start()
+            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name=f"compjax-recv-{name}")
+            self._receiver.start()
 
     @classmethod
     def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0) -> MultiProcessTransport:
@@ -208,7 +229,8 @@ class MultiProcessTransport(Transport):
         Args:
           address: a ZeroMQ TCP endpoint on 127.0.0.1, ``tcp://127.0.0.1:PORT`` (port 0: a free one,
             see :attr:`address`).
-          pull_timeout_s: the longest wait for one contribution's arrays, > 0 (a longer pull refuses it).
+          pull_timeout_s: the longest wait for one contribution's arrays to arrive, > 0 (a longer
+            receive refuses it, and nothing more is pulled from that learner until its next hello).
         """
         return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s)
 
@@ -237,6 +259,7 @@ class MultiProcessTransport(Transport):
         self._closed.set()
         if self.role == "learner":
             self._io.join(timeout=10)
+            self._receiver.join(timeout=10)  # a pull in progress ends within pull_timeout_s; not waited for longer
         else:
             self._sock.close(linger=1000)  # up to 1 s for the frames still queued (the last replies)
         self._ctx.term()
@@ -301,8 +324,18 @@ class MultiProcessTransport(Transport):
             record = self._record = _Record(identity, uuid)
 
             def pull(h=header):
+                if name in self._unreachable:  # not pulled: the learner, if alive, gets a release
+                    raise ConnectionError(f"learner {name!r}'s last transfer failed; nothing is pulled from it "
+                                          f"until it says hello again")
                 record.pulled = True
-                return _pull(address, uuid, h.shapes, h.dtypes, self._pull_timeout, f"pull from learner {name!r}")
+                try:
+                    return _pull(address, uuid, h.shapes, h.dtypes, self._pull_timeout,
+                                 f"pull from learner {name!r}")
+                except Exception:
+                    self._unreachable.add(name)
+                    logger.warning("transport: the transfer from learner %r failed: nothing is pulled from it "
+                                   "until it says hello again", name)
+                    raise
 
             return Incoming(header, pull)
         else:
@@ -313,6 +346,7 @@ class MultiProcessTransport(Transport):
         if self._syncer is None:
             logger.warning("transport: hello from %r before a syncer was attached: ignored", name)
             return
+        self._unreachable.discard(name)  # a learner that says hello is alive: its transfers are pulled again
         try:
             start = self._syncer.register(name)
         except ValueError as e:
@@ -437,39 +471,49 @@ class MultiProcessTransport(Transport):
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
                    "address": transfer_server().address()})
 
-    def poll(self, learner: str, timeout: float | None = 0.0) -> Reply | None:
-        self._need("learner")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._pending:
-                return self._pending.popleft()
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    def _receive_loop(self) -> None:
+        """Pull the arrays of each reply (and of a restarted syncer's welcome) off the training thread."""
+        while not self._closed.is_set():
             try:
-                msg = self._inbox.get(block=wait is None or wait > 0, timeout=wait)
+                msg = self._inbox.get(timeout=0.1)
             except queue.Empty:
-                return None
+                continue
             try:
-                if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
-                    start = self._start_of(msg)
-                    why = f"syncer restarted: resuming from its global model at versions {list(start.versions)}"
-                    logger.warning("learner %r: %s", self.name, why)
-                    self._pending.extend(Reply(self.name, p, v, vals, accepted=False, reason=why)
-                                         for p, (vals, v) in enumerate(zip(start.values, start.versions)))
-                    continue
-                values = None
-                if msg.get("uuid") is not None:
-                    values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
-                                   self._pull_timeout, "pull of a merged fragment")
-                with self._offers_lock:  # this fragment's offers were pulled, or released before this reply
-                    for uuid in [u for u, o in self._offers.items() if o[2] == int(msg["fragment"])]:
-                        del self._offers[uuid]
-                return Reply(self.name, int(msg["fragment"]), int(msg["version"]), values,
-                             accepted=bool(msg["accepted"]), reason=str(msg["reason"]))
+                for reply in self._replies_of(msg):
+                    self._ready.put(reply)
             except Exception as e:  # noqa: BLE001 - a reply that cannot be received is dropped
                 logger.warning("learner %r: dropped a reply that could not be received: %s: %s",
                                self.name, type(e).__name__, e)
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+
+    def _replies_of(self, msg: dict) -> list[Reply]:
+        if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
+            start = self._start_of(msg)
+            why = f"syncer restarted: resuming from its global model at versions {list(start.versions)}"
+            logger.warning("learner %r: %s", self.name, why)
+            return [Reply(self.name, p, v, vals, accepted=False, reason=why)
+                    for p, (vals, v) in enumerate(zip(start.values, start.versions))]
+        values = None
+        if msg.get("uuid") is not None:
+            values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
+                           self._pull_timeout, "pull of a merged fragment")
+        with self._offers_lock:  # this fragment's offers were pulled, or released before this reply
+            for uuid in [u for u, o in self._offers.items() if o[2] == int(msg["fragment"])]:
+                del self._offers[uuid]
+        return [Reply(self.name, int(msg["fragment"]), int(msg["version"]), values,
+                      accepted=bool(msg["accepted"]), reason=str(msg["reason"]))]
+
+    def poll(self, learner: str, timeout: float | None = 0.0) -> Reply | None:
+        """The next reply whose arrays are already local, waiting up to ``timeout`` seconds (None: forever).
+
+        The arrays are pulled by the transport's background thread as soon as the reply frame
+        arrives, so ``poll(timeout=0)`` never waits for a transfer; with a timeout it waits until
+        a reply is received (the lock-step learner's ``wait_for_merge``).
+        """
+        self._need("learner")
+        try:
+            return self._ready.get(block=timeout is None or timeout > 0, timeout=timeout)
+        except queue.Empty:
+            return None
 
     def __repr__(self) -> str:
         return f"MultiProcessTransport(role={self.role!r}, name={self.name!r}, address={self.address!r})"
