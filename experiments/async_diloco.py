@@ -30,12 +30,10 @@ learner, no grace limit, and each learner waits for its merged fragment before i
 (with these settings the system computes :func:`compjax.diloco`'s global parameters; see
 ``tests/test_decoupled_equivalence.py``).
 
-**Around the library.**  Each learner receives the merged fragments on a thread of its own
-(:func:`prefetching`: :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>`
-pulls a reply's arrays on the thread that polls, which would stall the inner steps for every transfer),
-and the syncer bounds each contribution's receive (``--pull-timeout-s``; :func:`bounded_pull`) and stops
-pulling from a learner whose transfer failed until it says hello again (a learner killed in the middle of
-a transfer would otherwise leave the syncer waiting for its arrays).
+**Transfers.**  :class:`~compjax.decoupled.MultiProcessTransport` receives each learner's merged
+fragments on a background thread (the transfers overlap the inner steps), and on the syncer bounds each
+contribution's receive by ``--pull-timeout-s`` and stops pulling from a learner whose transfer failed
+until it says hello again (a learner killed in the middle of a transfer).
 
 **Several machines.**  :class:`~compjax.decoupled.MultiProcessTransport` accepts only 127.0.0.1 endpoints
 today (its ZeroMQ socket and its transfer servers listen on the loopback), so the printed commands run on
@@ -154,8 +152,6 @@ def run_syncer(args) -> dict:
     carried = {"contributions": 0, "replies": 0, "welcomes": [], "released": 0, "control": 0, "tokens": 0.0,
                "pulls": 0}
 
-    unreachable: set = set()  # learners whose last transfer failed (killed): refused without a pull
-
     def nbytes(arrays) -> int:
         return int(sum(np.asarray(x).nbytes for x in arrays))
 
@@ -163,7 +159,6 @@ def run_syncer(args) -> dict:
         """The syncer, counting the global values each (re)joining learner is sent."""
 
         def register(self, name, *, now=None):
-            unreachable.discard(name)
             start = super().register(name, now=now)
             carried["welcomes"].append([time.time(), name, sum(nbytes(v) for v in start.values)])
             return start
@@ -196,15 +191,9 @@ def run_syncer(args) -> dict:
             carried["control"] += control_bytes("header", h)
             self.last = record
 
-            def pull(inner_pull=incoming.pull, name=h.learner):
+            def pull(inner_pull=incoming.pull):
                 record["pulled"] = True
-                if name in unreachable:  # its last transfer failed: a dead process, until it says hello again
-                    raise ConnectionError(f"learner {name!r}'s last transfer failed; not pulled until it rejoins")
-                try:
-                    values = bounded_pull(inner_pull, args.pull_timeout_s)
-                except Exception:
-                    unreachable.add(name)
-                    raise
+                values = inner_pull()  # bounded by the transport's pull_timeout_s
                 carried["contributions"] += nbytes(values)
                 carried["tokens"] += float(h.tokens)
                 carried["pulls"] += 1
@@ -228,7 +217,7 @@ def run_syncer(args) -> dict:
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
                             heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s)
-    transport = MultiProcessTransport.for_syncer(args.address)
+    transport = MultiProcessTransport.for_syncer(args.address, pull_timeout_s=args.pull_timeout_s)
     say(f"syncer bound {transport.address}")
     done = threading.Event()
     server = threading.Thread(target=syncer.serve, args=(Counting(transport), done), daemon=True)
@@ -263,34 +252,6 @@ def run_syncer(args) -> dict:
     return result
 
 
-def bounded_pull(pull, timeout: float) -> tuple:
-    """``pull()`` and the arrays it returns, received as NumPy arrays within ``timeout`` seconds.
-
-    The multi-process transport bounds the pull call, but its arrays arrive asynchronously; a
-    learner killed in the middle of a transfer would leave the syncer waiting for them forever
-    (holding its lock).  Here the whole receive runs on a helper thread: past ``timeout`` a
-    ``TimeoutError`` refuses that contribution (the helper thread stays behind, blocked).
-    """
-    import numpy as np
-
-    box: dict = {}
-
-    def receive():
-        try:
-            box["values"] = tuple(np.asarray(x) for x in pull())
-        except BaseException as e:  # noqa: BLE001 - re-raised on the syncer's thread
-            box["error"] = e
-
-    t = threading.Thread(target=receive, daemon=True, name="bounded-pull")
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise TimeoutError(f"the contribution's arrays did not arrive within {timeout} s (its learner died?)")
-    if "error" in box:
-        raise box["error"]
-    return box["values"]
-
-
 def control_bytes(kind: str, msg) -> int:
     """The JSON bytes of a ``header`` or ``reply`` control frame of the multi-process transport (estimated).
 
@@ -323,62 +284,6 @@ def wait_for(path: str | None, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
-def prefetching(transport):
-    """``transport`` (a learner's side) with its replies received on a background thread.
-
-    :meth:`MultiProcessTransport.poll <compjax.decoupled.MultiProcessTransport.poll>` pulls a reply's
-    arrays on the thread that polls, which for a :class:`~compjax.decoupled.Learner` is its training
-    thread: on a slow link every merged fragment would stall the inner steps for its transfer.  The
-    wrapper polls from a thread of its own and hands the learner replies already received, so the
-    transfer overlaps the inner steps as the sends do.
-    """
-    import queue
-
-    from compjax.decoupled import Transport
-
-    class Prefetching(Transport):
-        def __init__(self, inner):
-            self.inner, self.name = inner, inner.name
-            self._replies: queue.Queue = queue.Queue()
-            self._closed = threading.Event()
-            self._thread: threading.Thread | None = None
-
-        def join(self, timeout=None):
-            start = self.inner.join(timeout=timeout)
-            self._thread = threading.Thread(target=self._receive, daemon=True, name=f"prefetch-{self.name}")
-            self._thread.start()
-            return start
-
-        def _receive(self):
-            while not self._closed.is_set():
-                reply = self.inner.poll(self.name, timeout=0.1)
-                if reply is not None:
-                    self._replies.put(reply)
-
-        def send(self, contribution):
-            self.inner.send(contribution)
-
-        def poll(self, learner, timeout=0.0):
-            try:
-                return self._replies.get(block=timeout is None or timeout > 0, timeout=timeout)
-            except queue.Empty:
-                return None
-
-        def receive(self, timeout=0.0):  # pragma: no cover - the syncer's side
-            return self.inner.receive(timeout)
-
-        def reply(self, reply):  # pragma: no cover - the syncer's side
-            self.inner.reply(reply)
-
-        def close(self):
-            self._closed.set()
-            if self._thread is not None:
-                self._thread.join(timeout=10)
-            self.inner.close()
-
-    return Prefetching(transport)
-
-
 def run_learner(args) -> dict:
     """Join the syncer, take ``--steps`` inner steps (or until ``--stop-file``), finish, write ``learner<i>.json``."""
     import jax
@@ -403,7 +308,7 @@ def run_learner(args) -> dict:
 
     tokens_per_step = args.batch * args.seq_len
     batch = lambda step: data.batch_at(train, step, 1, args.batch, args.seq_len, seed=args.seed * 1000 + args.index)[0]
-    transport = prefetching(MultiProcessTransport.for_learner(name, args.address))
+    transport = MultiProcessTransport.for_learner(name, args.address)
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
                       wait_for_merge=args.lockstep, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)

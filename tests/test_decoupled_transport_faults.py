@@ -12,9 +12,13 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from compjax.decoupled import MultiProcessTransport, Reply, Syncer  # noqa: E402
-from compjax.decoupled import multiprocess  # noqa: E402
-from tests.test_decoupled_syncer import init, message, snapshot  # noqa: E402
+from compjax.decoupled import (
+    MultiProcessTransport,
+    Reply,
+    Syncer,
+    multiprocess,
+)
+from tests.test_decoupled_syncer import init, message, snapshot
 
 
 class Never:
