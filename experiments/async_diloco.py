@@ -311,7 +311,7 @@ def run_learner(args) -> dict:
     transport = MultiProcessTransport.for_learner(name, args.address)
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
-                      wait_for_merge=args.lockstep, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)
+                      wait_for_merge=args.lockstep, late_reply=args.late_reply, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)
     learner.warm_up(batch(0))  # compile first, then join: the first contribution is fresh
     say(f"learner {name} compiled")
     wait_for(args.join_file)
@@ -365,7 +365,7 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--sync-every", str(args.sync_every), "--fragments", str(args.fragments), "--compressor", args.compressor,
          "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
          "--outer-lr", str(args.outer_lr), "--grace-s", str(args.grace_s), "--max-staleness", str(args.max_staleness),
-         "--staleness-decay", str(args.staleness_decay), "--alpha", str(args.alpha),
+         "--staleness-decay", str(args.staleness_decay), "--alpha", str(args.alpha), "--late-reply", args.late_reply,
          "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
          "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s)]
@@ -469,6 +469,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")
     ap.add_argument("--alpha", type=float, default=0.5, help="weight of the local parameters when a merge comes back")
+    ap.add_argument("--late-reply", choices=("defer", "wait"), default="defer",
+                    help="a fragment due again before its merge came back: send it once the merge is in and train "
+                         "on (defer), or block for the merge (wait); unused with --lockstep")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a learner is lost")
     ap.add_argument("--lockstep", action="store_true",
                     help="lock-step Streaming DiLoCo: quorum = all, no grace limit, learners wait for each merge")

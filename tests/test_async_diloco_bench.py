@@ -84,14 +84,19 @@ def test_quick_benchmark(tmp_path):
         assert all(0 < g <= 1 for g in r["goodput"].values()), r["goodput"]
         assert all(t > 0 for t in r["tokens_per_s"].values())
         assert r["counted_bytes"] > 0 and r["replies_carried"] > 0
-        assert r["contributions_carried"] >= r["counted_bytes"]  # today the decoded float32 message moves
+        assert r["contributions_carried"] >= r["counted_bytes"]  # the payload arrays (+ control frames)
         assert r["merges"] + r["refused"] <= sends
         raw = next(x for x in report["raw"] if x["name"] == name)
         curve = raw["syncer"]["val_curve"]
         assert math.isfinite(r["val_loss"]) and r["val_loss"] < curve[0]["val_loss"]
-        assert [sum(x["sends"]) for x in raw["learners"]] == [s["fragments"] * s["steps"] // s["sync_every"]] * 2
+        scheduled = s["fragments"] * s["steps"] // s["sync_every"]
+        per_learner = [sum(x["sends"]) for x in raw["learners"]]
+        if name.startswith("lock-step"):
+            assert per_learner == [scheduled] * 2
+        else:  # late_reply="defer": a fragment due while its merge is out goes later, once (never more sends)
+            assert all(s["fragments"] <= n <= scheduled for n in per_learner), per_learner
     lock, asyn = rows["lock-step unshaped"], rows["async unshaped"]
-    assert lock["counted_bytes"] == asyn["counted_bytes"]  # the same sends of the same fragments
+    assert asyn["counted_bytes"] <= lock["counted_bytes"]  # the same messages, no more of them
     assert lock["versions"] == [s["steps"] // s["sync_every"]] * s["fragments"]  # full quorum: one merge per send round
     assert lock["merges"] == sends // s["learners"]
     assert lock["refused"] == 0 and lock["lost"] == []

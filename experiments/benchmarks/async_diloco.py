@@ -16,7 +16,8 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
 * **async**: the asynchronous system: sends overlap the next inner steps, ``min_quorum`` = 3 of 4, a
   2 s grace window (about a third of the time between two sends of a fragment here), ``max_staleness``
   0 (a contribution that missed its round is refused; the refusal carries the merged values, which the
-  learner mixes in), ``alpha`` 0.5;
+  learner mixes in), ``alpha`` 0.5, ``late_reply="defer"`` (a fragment due again before its merge came
+  back is sent once the merge is in: the learner never blocks on the syncer);
 * both at 10 and 100 Mbit/s;
 * **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
   slower); it stops when the others are done;
@@ -88,6 +89,7 @@ RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
 #: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
 FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
         "seq_len": 64, "grace_s": 2.0, "max_staleness": 0, "staleness_decay": 0.0, "alpha": 0.5,
+        "late_reply": "defer",
         "heartbeat_timeout_s": 5.0,
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
