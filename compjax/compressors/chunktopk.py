@@ -312,11 +312,18 @@ def chunktopk(
 
 
 class _Cut(NamedTuple):
-    """How a sharded layer's tiles fall into its shards: whole tiles in every shard (static, but for the position)."""
+    """How a sharded layer's tiles fall into its shards: whole tiles in every shard (static, but for the position).
+
+    The layer's tiles, in its row-major tile order, are ``(outer, fast, inner)``: device ``f`` of the fast
+    axis holds ``[:, f, :]``, which is its shard's own tiles ``(outer, inner)`` in the shard's row-major tile
+    order.  Cut along the columns (the last dimension): ``outer`` tile rows of ``inner`` tiles each; cut
+    along another dimension ``d``: ``outer = prod(shape[:d])`` blocks of ``inner`` whole tiles each (one
+    block of rows when ``d = 0``).
+    """
 
     layer: ck.ChunkLayout  # the layer's tiles
     own: ck.ChunkLayout  # this device's shard cut with the layer's tile size
-    along_rows: bool  # the shards are blocks of tile rows (else of tile columns)
+    outer: int  # blocks of the layer's tile order, each holding one run of ``inner`` tiles per shard
     axis: str  # the fast axis
 
     def _fast(self) -> int:
@@ -325,29 +332,52 @@ class _Cut(NamedTuple):
     def layer_order(self, x: jnp.ndarray) -> jnp.ndarray:
         """``(tiles_own, ...)`` per-tile rows of every shard of the host -> ``(tiles, ...)`` in the layer's order."""
         g = collectives.gather_over_fast(x)  # (fast, tiles_own, ...)
-        if self.along_rows:
+        if self.outer == 1:
             return g.reshape((self.layer.tiles,) + x.shape[1:])
-        ys = self.own.rows // self.own.h
-        g = g.reshape((self._fast(), ys, -1) + x.shape[1:])
+        g = g.reshape((self._fast(), self.outer, -1) + x.shape[1:])
         return jnp.swapaxes(g, 0, 1).reshape((self.layer.tiles,) + x.shape[1:])
 
     def own_tiles(self, x: jnp.ndarray) -> jnp.ndarray:
         """``(tiles, ...)`` rows of the layer's tiles -> this device's ``(tiles_own, ...)``."""
         f = jax.lax.axis_index(self.axis).astype(jnp.int32)
-        if self.along_rows:
-            return jax.lax.dynamic_slice_in_dim(x, f * self.own.tiles, self.own.tiles, axis=0)
-        ys = self.own.rows // self.own.h
-        g = x.reshape((ys, self._fast(), -1) + x.shape[1:])
+        g = x.reshape((self.outer, self._fast(), -1) + x.shape[1:])
         return jax.lax.dynamic_index_in_dim(g, f, axis=1, keepdims=False).reshape((self.own.tiles,) + x.shape[1:])
+
+
+def _cut(layer: ck.ChunkLayout, shape: tuple, d: int, axis: str) -> _Cut | None:
+    """The :class:`_Cut` of a layer whose shard of ``shape`` is cut along dimension ``d``, or None if tiles cross shards.
+
+    Cut along the last dimension (the matrix view's columns; a vector's only
+    one), each shard holds whole tiles when its columns are a multiple of the
+    tile width.  Cut along another dimension ``d``, the shard's rows are
+    ``prod(shape[:d])`` blocks of ``shape[d] * prod(shape[d + 1:-1])`` rows
+    each (contiguous in the layer); each block holds whole tile rows when that
+    is a multiple of the tile height.
+    """
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    cols = shape[-1]
+    if d == len(shape) - 1:
+        if cols % layer.w:
+            return None
+        outer = layer.rows // layer.h
+    else:
+        block = math.prod(shape[d:-1])
+        if block % layer.h:
+            return None
+        outer = math.prod(shape[:d])
+    own = ck.ChunkLayout(shape, rows, cols, layer.h, layer.w, (rows // layer.h) * (cols // layer.w), layer.length)
+    return _Cut(layer, own, outer, axis)
 
 
 def _shard_tiling(gs, acc, sh, chunk):
     """Which shards hold whole tiles of their layer (a :class:`_Cut` each), the others gathered whole.
 
-    A layer's shards hold whole tiles when it is sharded along its last
-    dimension (the columns of its matrix view) into a multiple of the tile
-    width, or along its first of several dimensions (blocks of rows) into a
-    multiple of the tile height.  Other sharded leaves (and their accumulator)
+    A layer's shards hold whole tiles when each shard's part of the layer's
+    matrix view is made of whole tiles (:func:`_cut`): cut along the columns
+    into a multiple of the tile width, or along another dimension into blocks
+    of rows that are multiples of the tile height.  The tiles are the layer's
+    (their sides divide its rows and columns), so only a shard whose edge
+    falls inside a tile needs its layer: such leaves (and their accumulator)
     are all-gathered over the fast axis here and handled whole.
 
     Returns:
@@ -365,18 +395,8 @@ def _shard_tiling(gs, acc, sh, chunk):
         if d is None:
             continue
         layer = ck.chunk_layout(sh.whole_shape(g, i), chunk)
-        shape = tuple(int(n) for n in g.shape)
-        if d == len(shape) - 1:  # blocks of the matrix view's columns
-            along_rows, rows, cols = False, layer.rows, shape[-1]
-            fits = cols % layer.w == 0
-        else:  # blocks of its rows (contiguous only when the first dimension is cut)
-            along_rows, rows, cols = True, math.prod(shape[:-1]), layer.cols
-            fits = d == 0 and rows % layer.h == 0
-        if fits:
-            own = ck.ChunkLayout(shape, rows, cols, layer.h, layer.w, (rows // layer.h) * (cols // layer.w),
-                                 layer.length)
-            cuts[i] = _Cut(layer, own, along_rows, sh.axis)
-        else:
+        cuts[i] = _cut(layer, tuple(int(n) for n in g.shape), d, sh.axis)
+        if cuts[i] is None:
             gathered.add(i)
             gs[i] = collectives.gather_inside_host(g, sh.axis, d)
             if acc is not None:
