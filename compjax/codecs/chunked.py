@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "ChunkLayout", "chunk_k", "chunk_layout", "dct_matrix", "dct_tiles", "idct_tiles", "index_bits", "scatter_rows",
-    "split_size", "statistical_decode", "statistical_encode", "tile", "topk_rows", "untile",
+    "ChunkLayout", "chunk_k", "chunk_layout", "dct_matrix", "dct_tiles", "idct_tiles", "index_bits", "scatter_layer",
+    "scatter_rows", "split_size", "statistical_decode", "statistical_encode", "tile", "tile_positions", "topk_rows",
+    "untile",
 ]
 
 
@@ -185,6 +186,56 @@ def scatter_rows(idx: jnp.ndarray, values: jnp.ndarray, length: int) -> jnp.ndar
     tiles = idx.shape[0]
     rows = jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], idx.shape)
     return jnp.zeros((tiles, length), values.dtype).at[rows, idx].set(values, unique_indices=True)
+
+
+def tile_positions(idx: jnp.ndarray, layout: ChunkLayout) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Where positions inside tiles lie in the layer's matrix view: ``(row, col)`` int32 arrays like ``idx``.
+
+    Args:
+      idx: integer ``(tiles, k)``: row ``t`` holds positions ``0 .. L - 1`` inside tile ``t`` (row-major in
+        the tile, tiles in :func:`tile`'s order).
+      layout: the tiles (:func:`chunk_layout`).
+
+    Returns:
+      ``(row, col)``: int32 ``(tiles, k)`` coordinates in the ``(rows, cols)`` matrix view, each below
+      ``2**31`` for any layer whose rows and columns are (no flat index into the whole layer is formed).
+    """
+    per_row = layout.cols // layout.w
+    t = jnp.arange(layout.tiles, dtype=jnp.int32)[:, None]
+    idx = idx.astype(jnp.int32)
+    row = (t // per_row) * layout.h + idx // layout.w
+    col = (t % per_row) * layout.w + idx % layout.w
+    return row, col
+
+
+def scatter_layer(idx: jnp.ndarray, values: jnp.ndarray, layout: ChunkLayout, into: jnp.ndarray | None = None,
+                  *, sign: float = 1.0) -> jnp.ndarray:
+    """``values`` at tile positions ``idx``, written straight into an array of ``layout.shape`` (no tiled copy).
+
+    ``untile(scatter_rows(idx, values, layout.length), layout)`` in one scatter into the layer's matrix
+    view, or, with ``into``, ``into + sign * that`` as a scatter-add into ``into`` (which XLA may update in
+    place: the error feedback's ``e - sent`` without a dense ``sent``).  Positions are distinct within a
+    tile, so the two agree exactly with the dense forms.
+
+    Args:
+      idx: integer ``(tiles, k)`` positions inside the tiles (:func:`topk_rows`).
+      values: ``(tiles, k)`` values there.
+      layout: the tiles (:func:`chunk_layout`).
+      into: None (zeros of ``values``' dtype) or an array of ``layout.shape``.
+      sign: ``1.0`` or ``-1.0``, the sign the values are added with into ``into``.
+
+    Returns:
+      An array of ``layout.shape``, in ``values``' dtype (``into``'s with ``into``).
+    """
+    row, col = tile_positions(idx, layout)
+    if into is None:
+        out = jnp.zeros((layout.rows, layout.cols), values.dtype)
+        out = out.at[row, col].set(values, unique_indices=True)
+    else:
+        v = values.astype(into.dtype)
+        out = jnp.reshape(into, (layout.rows, layout.cols)).at[row, col].add(-v if sign < 0 else v,
+                                                                           unique_indices=True)
+    return jnp.reshape(out, layout.shape)
 
 
 def statistical_encode(v: jnp.ndarray, bits: int, range_sigmas: float) -> tuple[jnp.ndarray, jnp.ndarray]:

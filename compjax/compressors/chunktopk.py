@@ -253,8 +253,8 @@ def chunktopk(
         cat = lambda parts, dtype: jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
         payload = (cat(words, jnp.uint32), cat(floats, jnp.float32), cat(raws, raw_dtype or jnp.float32))
 
-        def decode(w, f, r):
-            """One worker's payload -> per layer its dense (tiles, L) values (and, for "senders", indicators)."""
+        def kept(w, f, r):
+            """One worker's payload -> per layer ``(idx, val)``, ``(tiles, k)`` each, of this device's tiles."""
             out, wo, fo, ro = [], 0, 0, 0
             for pl, cut in zip(plans, cuts):
                 n, shape = pl.layout.tiles * pl.k, (pl.layout.tiles, pl.k)
@@ -275,30 +275,55 @@ def chunktopk(
                 val = val.reshape(shape)
                 if cut is not None:  # decode this device's tiles only
                     idx, val = cut.own_tiles(idx), cut.own_tiles(val)
-                out.append(ck.scatter_rows(idx, val, pl.layout.length))
-                if senders:
-                    out.append(ck.scatter_rows(idx, jnp.ones(idx.shape, jnp.float32), pl.layout.length))
+                out.append((idx, val))
             return out
 
-        def finish(tiles_out, like):
-            """Per layer: combine (senders: values over indicators), inverse DCT, back to the layer's shape."""
+        def decode(w, f, r):
+            """One worker's payload -> per layer its dense values (and, for "senders", indicators).
+
+            Without the DCT, straight into the layer's (this device's shard's) shape; with it, as (tiles, L)
+            coefficients for the inverse DCT.
+            """
+            out = []
+            for pl, cut, (idx, val) in zip(plans, cuts, kept(w, f, r)):
+                lay = pl.layout if cut is None else cut.own
+                one = jnp.ones(idx.shape, jnp.float32)
+                if dct:
+                    out.append(ck.scatter_rows(idx, val, lay.length))
+                    if senders:
+                        out.append(ck.scatter_rows(idx, one, lay.length))
+                else:
+                    out.append(ck.scatter_layer(idx, val, lay))
+                    if senders:
+                        out.append(ck.scatter_layer(idx, one, lay))
+            return out
+
+        def finish(dense, like):
+            """Per layer: combine (senders: values over indicators); with the DCT, inverse DCT and untile."""
             res = []
             for i, (pl, x, cut) in enumerate(zip(plans, like, cuts)):
                 lay = pl.layout if cut is None else cut.own
                 if senders:
-                    s, c = tiles_out[2 * i], tiles_out[2 * i + 1]
+                    s, c = dense[2 * i], dense[2 * i + 1]
                     t = jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), 0.0)
                 else:
-                    t = tiles_out[i]
+                    t = dense[i]
                 if dct:
-                    t = ck.idct_tiles(t, lay)
-                res.append(ck.untile(t, lay).astype(x.dtype))
+                    t = ck.untile(ck.idct_tiles(t, lay), lay)
+                res.append(t.astype(x.dtype))
             return res
 
         means, nbytes = collectives.gathered_mean(payload, decode, ctx.axis_name)
         means = finish(means, ps)
-        sent = means if ctx.axis_name is None else finish(decode(*payload), ps)
-        new = {"accumulator": ef.remainder(ps, sent)} if acc is not None else {}
+        new = {}
+        if acc is not None:
+            if dct:  # what was sent, in the parameters' domain, is dense
+                sent = means if ctx.axis_name is None else finish(decode(*payload), ps)
+                new["accumulator"] = ef.remainder(ps, sent)
+            else:  # e - sent at the kept entries only (a scatter into e; the entries are distinct)
+                new["accumulator"] = [
+                    ck.scatter_layer(idx, val, pl.layout if cut is None else cut.own, into=p, sign=-1.0)
+                    for p, pl, cut, (idx, val) in zip(ps, plans, cuts, kept(*payload))]
         if gathered:  # leaves whose tiles cross their shards were gathered: keep this device's shards
             means = [sh.own(m, i) if i in gathered else m for i, m in enumerate(means)]
             if acc is not None:
