@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import compjax as cj
 from compjax import collectives, layout, parallel
+from compjax.codecs import chunked as ck
 from tests.helpers import assert_same_params, replicated_and_sharded
 
 SLOW, FAST = 2, 4
@@ -90,3 +92,36 @@ def test_the_hosts_payload_lists_the_tiles_in_the_layers_order():
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # the uint32 words
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8, 3000])
+def test_packed_sender_counts_read_back_exactly_after_the_mean(workers):
+    """Each worker's packed indicator (base workers + 1 digits), summed in float32 one worker at a time and divided by
+    the number of workers (as gathered_mean does), reads back as the exact per-entry count of senders."""
+    lay = ck.chunk_layout((2, 12, 40), 8)  # 8 x 8 tiles; 40 columns are not a multiple of every packing width
+    digits = ck.count_digits(workers)
+    assert digits.base ** digits.per <= 2**22 < digits.base ** (digits.per + 1)
+    rng = np.random.default_rng(workers)
+    drawn = min(workers, 6)  # the others send nothing: their indicators are zeros
+    total = jnp.zeros((lay.rows, -(-lay.cols // digits.per)), jnp.float32)
+    want = np.zeros((lay.rows, lay.cols), np.int64)
+    for _ in range(drawn):
+        idx = np.stack([rng.choice(lay.length, 20, replace=False) for _ in range(lay.tiles)]).astype(np.int32)
+        total = total + ck.sent_digits(jnp.asarray(idx), lay, digits)
+        want += np.asarray(ck.untile(ck.scatter_rows(jnp.asarray(idx), jnp.ones(idx.shape), lay.length), lay)
+                           ).reshape(lay.rows, lay.cols).astype(np.int64)
+    got = ck.count_senders(total / workers, lay, digits)
+    assert got.shape == lay.shape and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got).reshape(lay.rows, lay.cols), want)
+
+
+def test_scatter_layer_equals_the_tiled_scatter_untiled_and_subtracts_in_place():
+    lay = ck.chunk_layout((3, 8, 12), 4)
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(np.stack([rng.choice(lay.length, 5, replace=False) for _ in range(lay.tiles)]), jnp.int32)
+    val = jnp.asarray(rng.normal(size=idx.shape), jnp.float32)
+    dense = ck.untile(ck.scatter_rows(idx, val, lay.length), lay)
+    np.testing.assert_array_equal(np.asarray(ck.scatter_layer(idx, val, lay)), np.asarray(dense))
+    e = jnp.asarray(rng.normal(size=lay.shape), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ck.scatter_layer(idx, val, lay, into=e, sign=-1.0)),
+                                  np.asarray(e - dense))

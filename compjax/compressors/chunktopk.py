@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from compjax import collectives
@@ -278,24 +279,28 @@ def chunktopk(
                 out.append((idx, val))
             return out
 
+        # "senders" without the DCT: each worker's indicator of what it sent travels through the mean packed,
+        # several entries' counts to a float32 (exact integer digits), not as a dense float32 copy of the layer.
+        digits = ck.count_digits(collectives.num_workers(ctx.axis_name)) if senders and not dct else None
+
         def decode(w, f, r):
             """One worker's payload -> per layer its dense values (and, for "senders", indicators).
 
-            Without the DCT, straight into the layer's (this device's shard's) shape; with it, as (tiles, L)
-            coefficients for the inverse DCT.
+            Without the DCT, straight into the layer's (this device's shard's) shape, the indicators packed
+            (:func:`compjax.codecs.chunked.sent_digits`); with it, as (tiles, L) coefficients for the
+            inverse DCT and (tiles, L) indicators.
             """
             out = []
             for pl, cut, (idx, val) in zip(plans, cuts, kept(w, f, r)):
                 lay = pl.layout if cut is None else cut.own
-                one = jnp.ones(idx.shape, jnp.float32)
                 if dct:
                     out.append(ck.scatter_rows(idx, val, lay.length))
                     if senders:
-                        out.append(ck.scatter_rows(idx, one, lay.length))
+                        out.append(ck.scatter_rows(idx, jnp.ones(idx.shape, jnp.float32), lay.length))
                 else:
                     out.append(ck.scatter_layer(idx, val, lay))
                     if senders:
-                        out.append(ck.scatter_layer(idx, one, lay))
+                        out.append(ck.sent_digits(idx, lay, digits))
             return out
 
         def finish(dense, like):
@@ -305,6 +310,8 @@ def chunktopk(
                 lay = pl.layout if cut is None else cut.own
                 if senders:
                     s, c = dense[2 * i], dense[2 * i + 1]
+                    if digits is not None:  # the mean of the indicators, as the dense form would give it
+                        c = ck.count_senders(c, lay, digits).astype(jnp.float32) / np.float32(digits.workers)
                     t = jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), 0.0)
                 else:
                     t = dense[i]
