@@ -155,6 +155,18 @@ def chunktopk(
     every worker decodes every worker's payload.  ``payload_bytes`` is :func:`chunktopk_bytes`: with
     64 x 64 tiles, 12-bit indices and 2-bit values, **1.75 bytes per kept entry** (plus 20 bytes per layer).
 
+    **Sharded parameters** (a step with ``specs=``): the compressor works on this device's shard of each
+    layer.  The tiles are the layer's, and a shard holds whole tiles when its edges fall on tile edges (cut
+    along the columns into a multiple of the tile width, or along another dimension into blocks of rows
+    that are multiples of the tile height: a stacked ``(layers, rows, cols)`` leaf cut along its rows
+    qualifies when ``rows / fast`` is a multiple of the tile height); the host's payload lists every
+    shard's kept entries in the layer's tile order (the replicated layout's packed indices and codes).  Only
+    a layer whose shard edges cut through tiles is all-gathered over the fast axis and handled whole.
+    **Memory** per layer: a tiled copy for the selection, and one dense float32 mean that every worker's
+    kept entries are scattered into (no tiled decode, no dense copy of what was sent: the error feedback
+    subtracts it at the kept entries); ``"senders"`` adds the count of senders of each entry, packed
+    several entries to a float32 (:func:`compjax.codecs.chunked.count_digits`).
+
     **Aggregate**: ``"mean"`` averages the decoded sparse tensors over all ``n`` workers (the paper's
     ``Δ = (1/R) Σ_r Δ̂_r``; zeros where a worker sent nothing); ``"senders"`` averages each entry over the
     workers that sent it (the reference code's ``scatter_reduce(reduce="mean", include_self=False)`` in
