@@ -135,3 +135,11 @@ def test_launcher_writes_under_ignored_runs():
         launcher.main(["--learners", "2", "--min-quorum", "3"])
     with pytest.raises(ValueError, match="--steps"):
         launcher.main(["--steps", "0"])
+
+
+def test_a_rows_folder_starts_empty_so_an_earlier_runs_join_file_cannot_start_its_joiner(tmp_path):
+    old = bench.row_dir(tmp_path, "fault 10 Mbit/s")
+    (old / "join").write_text("join")
+    (old / "go").write_text("go")
+    new = bench.row_dir(tmp_path, "fault 10 Mbit/s")
+    assert new == old and list(new.iterdir()) == []
