@@ -69,7 +69,7 @@ def _params():
             "w2": jnp.asarray(rng.normal(size=(256, 32)) * 0.1, jnp.float32), "b2": jnp.zeros(32)}
 
 
-def _run(tx, steps=3, loss_fn=None):
+def _run(tx, steps=3, loss_fn=None, tol=1e-6):
     """``steps`` steps of the sharded layout and of the replicated 2-D layout; the sharded compiled step's audit."""
     mesh = parallel.make_2d_mesh(SLOW, FAST)
     init = _params()
@@ -79,11 +79,16 @@ def _run(tx, steps=3, loss_fn=None):
                for _ in range(steps)]
     (rp, rs), (sp, ss), sharded = replicated_and_sharded(loss if loss_fn is None else loss_fn, tx, init, specs,
                                                          batches, mesh)
-    assert_same_params(sp, rp, FAST)
+    assert_same_params(sp, rp, FAST, tol=tol)
     np.testing.assert_array_equal(np.asarray(cj.payload_bytes(ss)), np.asarray(cj.payload_bytes(rs)))  # one entry per host in both layouts
     shard_bytes = [int(np.prod(v.shape)) * 4 // FAST for k, v in init.items() if specs[k] != jax.P()]
     return cj.audit_collectives(sharded), mesh, shard_bytes
 
+
+# The two layouts reduce the float32 gradient in different orders (XLA's partitioner in the sharded step), so an
+# entry may differ in its last bit and round to the neighbouring 16-bit value: one ulp of the cast, times the
+# learning rate 0.1 (seen: 3e-6 on 6 of 32,768 entries for bfloat16). Any real error in the shard math is far larger.
+LOSSY_CAST_TOL = {"cast_bf16": 1e-5, "cast_f16": 1e-5}
 
 # The fast tier keeps one compressor of each kind of shard math (candidates, tiles, factors, column statistics,
 # random draws, a dense piece); the others run in the full tier (--all), as does the sharded battery.
@@ -95,7 +100,7 @@ FAST_CASES = {"topk", "chunktopk", "powersgd", "onebit", "qsgd", "identity"}
 def test_a_compressor_on_shards_sends_no_layer_over_the_fast_axis_and_equals_the_replicated_layout(name):
     make, scope = CONVERTED[name]
     tx = optax.chain(make(), optax.sgd(0.1))
-    ops, mesh, shard_bytes = _run(tx)
+    ops, mesh, shard_bytes = _run(tx, tol=LOSSY_CAST_TOL.get(name, 1e-6))
     assert min(shard_bytes) >= 8192  # the leaves are large enough for candidates to be far smaller than a shard
     # Per operand: XLA may combine the compressor's small all-reduces with the model's into one instruction.
     mine = [(op.op, _operand_bytes(dtype, shape), where) for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",)
