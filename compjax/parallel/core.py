@@ -61,6 +61,17 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def _checked_kinds(kinds: str | Sequence[str], in_specs: Sequence[Any] | None) -> tuple[tuple, tuple]:
+    """``(kinds, in_specs)`` as tuples (``in_specs`` None: one None per argument), checked."""
+    kinds = tuple(kinds)
+    if not set(kinds) <= KINDS:
+        raise ValueError(f"kinds must be letters of {sorted(KINDS)}, got {''.join(kinds)!r}")
+    in_specs = (None,) * len(kinds) if in_specs is None else tuple(in_specs)
+    if len(in_specs) != len(kinds):
+        raise ValueError(f"in_specs has {len(in_specs)} entries for {len(kinds)} arguments")
+    return kinds, in_specs
+
+
 def build_step(
     body: Callable[..., Any],
     mesh: Mesh,
@@ -102,12 +113,7 @@ def build_step(
     Raises:
       ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length than ``kinds``.
     """
-    kinds = tuple(kinds)
-    if not set(kinds) <= KINDS:
-        raise ValueError(f"kinds must be letters of {sorted(KINDS)}, got {''.join(kinds)!r}")
-    in_specs = (None,) * len(kinds) if in_specs is None else tuple(in_specs)
-    if len(in_specs) != len(kinds):
-        raise ValueError(f"in_specs has {len(in_specs)} entries for {len(kinds)} arguments")
+    kinds, in_specs = _checked_kinds(kinds, in_specs)
     worker = P(worker_axes)
     default = {"s": worker, "b": worker, "k": P()}
     mapped_specs = tuple(default[k] if s is None else s for k, s in zip(kinds, in_specs) if k != "c")
@@ -193,12 +199,6 @@ def build_sharded_step(
         stacked argument, the worker axis first.
       out_specs: a tree of ``PartitionSpec``s, a prefix of the outputs, with the worker axis.
       donate: donate the stacked arguments' buffers.
-      manual_only: the ``shard_map`` is manual over ``worker_axes`` only
-        (``axis_names=``): the mesh's other axes stay automatic, so each
-        worker's arrays keep their own shardings over them (XLA's propagation
-        lays ``body`` out inside the worker) and only the collectives ``body``
-        issues over ``worker_axes`` cross between workers.  Outputs are then
-        not placed by ``out_shardings`` (``body`` constrains them).
 
     Returns:
       The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
@@ -208,12 +208,7 @@ def build_sharded_step(
         than ``kinds``; when traced, a batch whose rows per worker the fast
         axis size does not divide.
     """
-    kinds = tuple(kinds)
-    if not set(kinds) <= KINDS:
-        raise ValueError(f"kinds must be letters of {sorted(KINDS)}, got {''.join(kinds)!r}")
-    in_specs = tuple(in_specs)
-    if len(in_specs) != len(kinds):
-        raise ValueError(f"in_specs has {len(in_specs)} entries for {len(kinds)} arguments")
+    kinds, in_specs = _checked_kinds(kinds, in_specs)
     size = mesh.shape[fast]
     worker = P(worker_axis)
     static = tuple(i for i, k in enumerate(kinds) if k == "c")
