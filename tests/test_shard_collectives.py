@@ -7,7 +7,8 @@ leaf's shard.  Gathering a layer's shards (what the pipeline does for a compress
 puts a whole shard into one all-gather and fails this.  The leaves here are large enough for the paths that the
 battery's small model does not reach (top-k's threshold selection, chunk top-k's tiles inside shards), so the same
 run checks the sharded layout against the replicated 2-D layout too (1e-6, equal ``payload_bytes``); every registry
-case's exactness is tests/test_battery_sharded.py's.
+case's exactness is tests/test_battery_sharded.py's; the last test here runs every registry case again with leaves
+that 4 does not divide, stored padded (``parallel.Padded``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from registry import CASES
 
 import compjax as cj
 from compjax import parallel
@@ -146,3 +149,61 @@ def test_dense_mean_on_shards_with_capped_buckets_equals_the_replicated_layout(m
     # Each in an all-reduce of its own, one after the other: XLA did not combine them into one instruction
     # (whose operands and results would all be alive at once).
     assert sorted(len(op) for op in per_op if op) == [1, 1, 1], per_op
+
+
+# --- leaves the fast size does not divide, stored padded -------------------------------------------------------------
+
+def _padded_loss(p, batch):
+    x, y = batch
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] + p["s"] - y) ** 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_registry_case_with_padded_leaves_equals_the_replicated_2d_layout(name):
+    """A (6, 10) kernel, a (10,) bias and a (10, 3) kernel, no dimension of which 4 divides, stored padded to
+    (6, 12), (12,) and (12, 3) and sharded (``fsdp_specs(..., pad_min_size=8)``); b2 (3 entries) and a scalar stay
+    whole.  Five steps equal the replicated 2-D layout (1e-6), ``payload_bytes`` included (the compressors count the
+    logical entries only), the padding stays zero in the parameters and the state, and the slow link carries the
+    host's payload once (the same audit as tests/test_battery_sharded.py)."""
+    case = CASES[name]
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    rng = np.random.default_rng(0)
+    init = {"w1": jnp.asarray(rng.normal(size=(6, 10)) * 0.3, jnp.float32), "b1": jnp.zeros(10),
+            "w2": jnp.asarray(rng.normal(size=(10, 3)) * 0.3, jnp.float32), "b2": jnp.zeros(3), "s": jnp.zeros(())}
+    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
+               for _ in range(5)]
+    specs = parallel.fsdp_specs(init, mesh, min_size=1, pad_min_size=8)
+    assert all(isinstance(specs[k], parallel.Padded) for k in ("w1", "b1", "w2")), specs
+    assert [specs[k] for k in ("b2", "s")] == [jax.P(), jax.P()]
+    tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))
+
+    (rp, rs), (sp, ss), sharded = replicated_and_sharded(_padded_loss, tx, init, specs, batches, mesh)
+    assert sp["w1"].shape == (SLOW, 6, 12) and sp["w1"].addressable_shards[0].data.shape == (1, 6, 3)
+    got, want = parallel.gather(sp, specs=specs), parallel.gather(rp)
+    tol = LOSSY_CAST_TOL.get(name, 1e-6)
+    for k in want:
+        assert got[k].shape == (SLOW,) + tuple(init[k].shape), k
+        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=tol, atol=tol, err_msg=k)
+    sent = np.asarray(cj.payload_bytes(ss))
+    np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs)))
+
+    # The padding is zeros, in the parameters and in every padded leaf of the state.
+    sspecs = parallel.state_specs(tx, init, specs, mesh)
+    stored = jax.tree.leaves((sp, ss))
+    entries = jax.tree.leaves((specs, sspecs), is_leaf=lambda x: isinstance(x, (jax.P, parallel.Padded)))
+    padded = [(x, e) for x, e in zip(stored, entries) if isinstance(e, parallel.Padded)]
+    assert len(padded) >= 3
+    for x, e in padded:
+        cut = (slice(None),) * (1 + e.dim) + (slice(e.shape[e.dim], None),)
+        assert x.shape[1:] == e.padded_shape and not np.any(np.asarray(x)[cut]), e
+
+    ops = cj.audit_collectives(sharded)
+    counted = cj.accounting.bytes_by_axes(ops, mesh, "compjax")
+    assert set(counted) <= {("data",)}, counted
+    if not case.one_path:
+        assert counted.get(("data",), 0) * FAST == int(sent[0])
+    inside = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",)]
+    assert all(op.issuer in ("compjax", "compjax-uncounted") for op in inside), \
+        [(op.op, op.bytes, op.scopes) for op in inside if op.issuer not in ("compjax", "compjax-uncounted")]

@@ -51,10 +51,12 @@ from __future__ import annotations
 from compjax.parallel.mesh import make_2d_mesh, make_mesh
 from compjax.parallel.nnx_adapters import nnx_data_parallel_step, nnx_replicate, nnx_unreplicate
 from compjax.parallel.placement import (
+    Padded,
     fsdp_specs,
     gather,
     init_worker_state,
     local_view,
+    logical,
     replicate,
     shard_batch,
     state_specs,
@@ -64,11 +66,13 @@ from compjax.parallel.pytree import data_parallel_step
 from compjax.parallel.userstep import worker_step
 
 __all__ = [
+    "Padded",
     "data_parallel_step",
     "fsdp_specs",
     "gather",
     "init_worker_state",
     "local_view",
+    "logical",
     "make_2d_mesh",
     "make_mesh",
     "nnx_data_parallel_step",

@@ -9,7 +9,12 @@ is split along its leading axis (:func:`shard_batch`).  With ``specs=``
 leaf's own dimensions follow its ``PartitionSpec`` over the fast axis
 (:func:`fsdp_specs` gives a default rule, :func:`state_specs` the rule for the
 optimizer's state).  :func:`unreplicate`, :func:`local_view` and :func:`gather`
-read a worker-stacked tree back.
+read a worker-stacked tree back.  A leaf none of whose dimensions the fast
+axis size divides can be stored padded (:class:`Padded`, chosen by
+:func:`fsdp_specs` for large leaves): zeros appended along one dimension to a
+multiple of the fast size, sharded like any leaf, its logical shape kept in
+its spec; :func:`logical` (and :func:`unreplicate` / :func:`gather` with
+``specs=``) read the logical arrays back.
 
 (:mod:`compjax.layout` is another thing: the trace-time context that tells a
 compressor, inside a step, how its gradients are sharded over the fast axis.)
@@ -29,6 +34,175 @@ from jax.sharding import PartitionSpec as P
 
 from compjax import layout
 from compjax.parallel.mesh import check_axis, worker_axes
+
+
+class Padded:
+    """The spec of a leaf stored padded: zeros appended along one dimension so that the fast axis divides it.
+
+    A leaf none of whose dimensions the fast axis size divides (a ``(6, 10)``
+    kernel on a fast axis of 4) is stored as ``padded_shape`` (``(6, 12)``),
+    sharded by ``spec`` like any leaf, and is read back as its logical
+    ``shape``: the sharded step slices it before the loss (the gradient of the
+    padding is zero) and before the optimizer, so the loss, the compressors'
+    per-layer statistics (top-k's k, norms, means, PowerSGD's factors),
+    ``payload_bytes`` and checkpoints (:class:`compjax.checkpoint.Checkpointer`
+    with ``specs=``) see the logical entries only, and pads the results again
+    (zeros) to store them.  :func:`fsdp_specs` chooses it for large leaves;
+    :func:`replicate`, :func:`init_worker_state`, :func:`state_specs` and
+    :func:`data_parallel_step` take it in ``specs``.
+
+    Args:
+      spec: a ``PartitionSpec`` over ``padded_shape`` naming the fast axis on one dimension.
+      shape: the leaf's logical shape (ints >= 0).
+      padded_shape: ``shape`` with the sharded dimension raised (a multiple of the fast size).
+
+    Raises:
+      ValueError: ``spec`` not a ``PartitionSpec`` sharding exactly one
+        dimension, shapes of different lengths, or ``padded_shape`` differing
+        from ``shape`` elsewhere than on that dimension or smaller there.
+    """
+
+    __slots__ = ("spec", "shape", "padded_shape")
+
+    def __init__(self, spec: P, shape: Sequence[int], padded_shape: Sequence[int]):
+        if not isinstance(spec, P):
+            raise ValueError(f"spec must be a PartitionSpec, got {spec!r}")
+        shape, padded_shape = tuple(int(n) for n in shape), tuple(int(n) for n in padded_shape)
+        sharded = [d for d, e in enumerate(tuple(spec)) if e is not None]
+        if len(sharded) != 1:
+            raise ValueError(f"spec must shard exactly one dimension of a padded leaf, got {spec}")
+        d = sharded[0]
+        if len(shape) != len(padded_shape) or d >= len(shape) or any(
+                a != b for i, (a, b) in enumerate(zip(shape, padded_shape)) if i != d) or padded_shape[d] < shape[d]:
+            raise ValueError(f"padded_shape {padded_shape} must equal shape {shape} except on the sharded dimension "
+                             f"{d} of {spec}, where it is at least as large")
+        self.spec, self.shape, self.padded_shape = spec, shape, padded_shape
+
+    @property
+    def dim(self) -> int:
+        """The padded (and sharded) dimension."""
+        return next(d for d, e in enumerate(tuple(self.spec)) if e is not None)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Padded) and (self.spec, self.shape, self.padded_shape) == \
+            (other.spec, other.shape, other.padded_shape)
+
+    def __hash__(self) -> int:
+        return hash((Padded, self.spec, self.shape, self.padded_shape))
+
+    def __repr__(self) -> str:
+        return f"Padded({self.spec!r}, shape={self.shape}, padded_shape={self.padded_shape})"
+
+
+def as_spec(entry: Any) -> P | None:
+    """The ``PartitionSpec`` an entry of ``specs`` places its leaf by (a :class:`Padded`'s ``spec``)."""
+    return entry.spec if isinstance(entry, Padded) else entry
+
+
+def is_spec_entry(x: Any) -> bool:
+    """True for a leaf of a ``specs`` tree: a ``PartitionSpec``, a :class:`Padded` or None."""
+    return x is None or isinstance(x, (P, Padded))
+
+
+def unpad(x: Any, entry: Any, lead: int = 0) -> Any:
+    """``x`` cut to its logical shape when ``entry`` is a :class:`Padded` (``lead`` leading axes kept), else ``x``."""
+    if not isinstance(entry, Padded):
+        return x
+    d = lead + entry.dim
+    if np.shape(x)[d] == entry.shape[entry.dim]:
+        return x
+    return jax.lax.slice_in_dim(x, 0, entry.shape[entry.dim], axis=d)
+
+
+def pad(x: Any, entry: Any, lead: int = 0) -> Any:
+    """``x`` (logical shape) with zeros appended to its :class:`Padded` shape (``lead`` leading axes kept), else ``x``."""
+    if not isinstance(entry, Padded):
+        return x
+    d = lead + entry.dim
+    extra = entry.padded_shape[entry.dim] - np.shape(x)[d]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * np.ndim(x)
+    widths[d] = (0, extra)
+    return jnp.pad(x, widths) if isinstance(x, jax.Array) else np.pad(np.asarray(x), widths)
+
+
+def unpad_leaves(leaves: Sequence, entries: Sequence) -> list:
+    """Inside a sharded step: each padded leaf (one worker's, no worker axis) cut to its logical shape, held whole.
+
+    A padded leaf comes out laid out ``P()`` (every device of the host holds
+    it whole, as a leaf ``specs`` keeps whole), the others as they are.
+    Traced under :func:`compjax.collectives.uncounted`: the gather of a padded
+    leaf's shards that XLA inserts for it runs inside the host and is no
+    compressor's payload.
+    """
+    from compjax import collectives
+
+    with collectives.uncounted():
+        return [jax.lax.with_sharding_constraint(unpad(x, e), P()) if isinstance(e, Padded) else x
+                for x, e in zip(leaves, entries)]
+
+
+def pad_leaves(leaves: Sequence, entries: Sequence) -> list:
+    """Inside a sharded step: each padded leaf (logical, no worker axis) padded with zeros and laid out by its spec."""
+    from compjax import collectives
+
+    with collectives.uncounted():
+        return [jax.lax.with_sharding_constraint(pad(x, e), e.spec) if isinstance(e, Padded) else x
+                for x, e in zip(leaves, entries)]
+
+
+def map_padded(fn: Any, tree: Any, specs: Any) -> Any:
+    """``fn(leaf, entry)`` on each leaf of ``tree`` whose ``specs`` entry is a :class:`Padded`; other leaves as they are.
+
+    ``specs`` is a prefix of ``tree`` whose leaves are ``PartitionSpec``, :class:`Padded` or None.
+
+    Raises:
+      ValueError: ``specs`` not a prefix of ``tree``, or a :class:`Padded` over a subtree.
+    """
+    def one(entry, sub):
+        if not isinstance(entry, Padded):
+            return sub
+        if not hasattr(sub, "shape"):
+            raise ValueError(f"a Padded spec must describe one array, got {type(sub).__name__}")
+        return fn(sub, entry)
+
+    try:
+        return jax.tree.map(one, specs, tree, is_leaf=is_spec_entry)
+    except ValueError as e:
+        if "Padded" in str(e):
+            raise
+        raise ValueError(f"specs must be a prefix of the tree it describes, with PartitionSpec, Padded or None "
+                         f"leaves: {e}") from None
+
+
+def logical(tree: Any, specs: Any) -> Any:
+    """A worker-stacked tree with each padded leaf (:class:`Padded` in ``specs``) cut to its logical shape.
+
+    Args:
+      tree: worker-stacked arrays (leading worker axis), as :func:`replicate`
+        / :func:`init_worker_state` / the sharded step return them, or host arrays.
+      specs: the ``specs`` the tree was placed with, without the worker axis
+        (for an optimizer state: :func:`state_specs`), or a prefix of ``tree``
+        (None leaves: subtrees that hold no padded leaf).
+
+    Returns:
+      The same tree, padded leaves of shape ``(n, *entry.shape)`` (a device
+      array placed over the worker axis only, or a NumPy array for NumPy input).
+
+    Raises:
+      ValueError: ``specs`` does not fit ``tree``.
+    """
+    def cut(x, entry):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)[(slice(None),) * (1 + entry.dim) + (slice(0, entry.shape[entry.dim]),)]
+        mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None
+        if mesh is None:
+            return unpad(x, entry, lead=1)
+        worker = tuple(x.sharding.spec)[0] if len(tuple(x.sharding.spec)) else None
+        return jax.jit(lambda a: unpad(a, entry, lead=1), out_shardings=NamedSharding(mesh, P(worker)))(x)
+
+    return map_padded(cut, tree, specs)
 
 
 def put(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -55,20 +229,21 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
         (or None, a leaf held whole) over each leaf's own dimensions, naming one
         fast mesh axis (:func:`fsdp_specs`).  The worker axis then runs over
         ``axis_name`` only and leaf ``x`` is placed ``P(axis_name, *spec)``: each
-        device holds ``1/fast`` of it.
+        device holds ``1/fast`` of it.  A :class:`Padded` entry stores its leaf
+        (of the entry's logical ``shape``) padded with zeros to ``padded_shape``.
 
     Returns:
-      The same tree with leaves of shape ``(n, *shape)``, one slice per device
-      (or its shard, with ``specs``), each leaf in buffers of its own (safe to
-      donate).
+      The same tree with leaves of shape ``(n, *shape)`` (``(n, *padded_shape)``
+      for a :class:`Padded` entry), one slice per device (or its shard, with
+      ``specs``), each leaf in buffers of its own (safe to donate).
 
     Raises:
       ValueError: bad ``specs`` (see :func:`fsdp_specs` for the rules), named by leaf.
     """
     if specs is not None:
-        leaf_specs = checked_leaf_specs(tree, specs, mesh, axis_name)
+        leaf_specs = checked_leaf_specs(tree, specs, mesh, axis_name, padded=True)
         leaves, treedef = jax.tree.flatten(tree)
-        return jax.tree.unflatten(treedef, [stack_copies(x, mesh, axis_name, None, spec)
+        return jax.tree.unflatten(treedef, [stack_copies(pad(x, spec), mesh, axis_name, None, as_spec(spec))
                                             for x, spec in zip(leaves, leaf_specs)])
     return jax.tree.map(lambda x: stack_copies(x, mesh, axis_name, fast_axis), tree)
 
@@ -90,13 +265,14 @@ def stack_copies(x: Any, mesh: Mesh, axis_name: str, fast_axis: str | None = Non
     return put(stacked, sharding)
 
 
-def unreplicate(tree: Any) -> Any:
+def unreplicate(tree: Any, *, specs: Any = None) -> Any:
     """This process's first worker's slice of a worker-stacked tree, as host NumPy arrays.
 
     In a single process that is worker 0; with several processes, the first
     worker this process holds (parameters and other replicated values are the
     same on every worker).  A leaf sharded over a fast axis (``specs=``) comes
-    back whole.
+    back whole; with ``specs`` (the tree's specs or a prefix, see
+    :func:`logical`) a padded leaf comes back in its logical shape.
     """
     def first(x):
         if not hasattr(x, "addressable_shards"):
@@ -106,7 +282,8 @@ def unreplicate(tree: Any) -> Any:
             return np.asarray(gather(x))[0]
         return np.asarray(x.addressable_shards[0].data)[0]
 
-    return jax.tree.map(first, tree)
+    out = jax.tree.map(first, tree)
+    return out if specs is None else map_padded(lambda x, e: unpad(x, e), out, specs)
 
 
 def local_view(tree: Any) -> Any:
@@ -119,18 +296,21 @@ def local_view(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x[:1], tree)
 
 
-def gather(tree: Any) -> Any:
+def gather(tree: Any, *, specs: Any = None) -> Any:
     """A worker-stacked (or any sharded) tree as whole host NumPy arrays, on every process.
 
     With one process this is ``np.asarray`` per leaf; with several, every
     process must call it (it is a collective over processes:
-    ``jax.experimental.multihost_utils.process_allgather``).
+    ``jax.experimental.multihost_utils.process_allgather``).  With ``specs``
+    (see :func:`logical`) padded leaves come back in their logical shapes.
     """
     if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, tree)
-    from jax.experimental import multihost_utils
+        out = jax.tree.map(np.asarray, tree)
+    else:
+        from jax.experimental import multihost_utils
 
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+        out = jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    return out if specs is None else logical(out, specs)
 
 
 def shard_batch(batch: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str | None = None) -> Any:
@@ -162,8 +342,9 @@ def init_worker_state(
     With ``specs`` (sharded parameters, as given to :func:`replicate`), every
     part of the state shaped like the parameters (optimizer moments, residuals,
     DGC's velocity, DiLoCo's global parameters) is sharded like them
-    (:func:`state_specs`); the rest (counters, keys, byte counts) is held
-    whole by every fast device.
+    (:func:`state_specs`), padded where they are (:class:`Padded`); the rest
+    (counters, keys, byte counts) is held whole by every fast device.
+    ``params`` are the logical parameters (not padded).
     """
     state = tx.init(params)
     if specs is not None:
@@ -180,30 +361,57 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
     (optax's moments, a compressor's residual, DGC's velocity, DiLoCo's global
     parameters and outer momentum, delayed averaging's history); every other
     leaf (counters, keys, byte counts) is held whole by every fast device.
+    For a padded parameter (:class:`Padded`) the rule is read on its padded
+    shape, and a state leaf sharded along a dimension the fast size does not
+    divide is padded too (a :class:`Padded` entry with its logical shape); a
+    state leaf whose shape depends on the padding otherwise is held whole.
 
     Args:
       tx: the optimizer (its ``init`` is only traced, nothing is allocated).
-      params: the parameters without the worker axis (arrays or ``jax.ShapeDtypeStruct``).
-      specs: a tree like ``params`` of ``PartitionSpec`` (or None), one fast axis.
+      params: the logical parameters without the worker axis (arrays or ``jax.ShapeDtypeStruct``).
+      specs: a tree like ``params`` of ``PartitionSpec``, :class:`Padded` (or None), one fast axis.
       mesh: the mesh the specs refer to.
 
     Returns:
-      A tree like ``tx.init(params)`` of ``PartitionSpec``, without the worker axis.
+      A tree like ``tx.init(params)`` of ``PartitionSpec`` (or :class:`Padded`), without the worker axis.
 
     Raises:
       ValueError: bad ``specs`` (see :func:`replicate`).
     """
-    leaf_specs = checked_leaf_specs(params, specs, mesh, None)
+    leaf_specs = checked_leaf_specs(params, specs, mesh, None, padded=True)
     dims, fast = shard_dims(leaf_specs)
     leaves, treedef = jax.tree.flatten(params)
-    whole = [jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x)) for x in leaves]
+    real = [jax.ShapeDtypeStruct(e.shape if isinstance(e, Padded) else tuple(np.shape(x)), jnp.result_type(x))
+            for x, e in zip(leaves, leaf_specs)]
+    whole = [jax.ShapeDtypeStruct(e.padded_shape, r.dtype) if isinstance(e, Padded) else r
+             for r, e in zip(real, leaf_specs)]
     size = mesh.shape[fast] if fast is not None else 1
     shards = [w if d is None else jax.ShapeDtypeStruct(w.shape[:d] + (w.shape[d] // size,) + w.shape[d + 1:], w.dtype)
               for w, d in zip(whole, dims)]
-    state = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole))
+    state = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, real))
     state_dims = layout.scaled_dims(tx.init, jax.tree.unflatten(treedef, whole), jax.tree.unflatten(treedef, shards),
                                     size)
-    out = [P() if d is None else P(*([None] * d + [fast])) for d in state_dims]
+    if not any(isinstance(e, Padded) for e in leaf_specs):
+        out = [P() if d is None else P(*([None] * d + [fast])) for d in state_dims]
+        return jax.tree.unflatten(jax.tree.structure(state), out)
+    # Padded parameters: the rule was read on the padded shapes; each leaf of the logical state keeps the dimension
+    # its padded counterpart (same key path) is sharded along, padded where the fast size does not divide it.
+    proxy = dict(zip([p for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole)))[0]], state_dims))
+    proxy_shapes = dict((p, tuple(a.shape)) for p, a in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole)))[0])
+    out = []
+    for path, a in jax.tree_util.tree_flatten_with_path(state)[0]:
+        d, shape = proxy.get(path), tuple(a.shape)
+        spec = None if d is None else P(*([None] * d + [fast]))
+        if spec is None or d >= len(shape):
+            out.append(P())
+        elif shape == proxy_shapes[path]:
+            out.append(spec)
+        elif shape[d] % size and proxy_shapes[path] == shape[:d] + (-(-shape[d] // size) * size,) + shape[d + 1:]:
+            out.append(Padded(spec, shape, proxy_shapes[path]))
+        else:
+            out.append(P())
     return jax.tree.unflatten(jax.tree.structure(state), out)
 
 
@@ -221,24 +429,39 @@ def stacked_spec(axes: Any, spec: P | None) -> P:
     return P(axes) if spec is None else P(axes, *tuple(spec))
 
 
-def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str) -> list:
-    """``specs`` checked against ``tree`` and ``mesh``: one ``PartitionSpec`` or None per leaf.
+def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, padded: bool = False) -> list:
+    """``specs`` checked against ``tree`` and ``mesh``: one ``PartitionSpec``, :class:`Padded` or None per leaf.
+
+    With ``padded`` a :class:`Padded` entry is taken: its leaf has the entry's
+    logical ``shape`` or its ``padded_shape``, and its spec is checked against
+    the padded shape.
 
     Raises:
       ValueError: a spec naming an axis not in the mesh, the worker axis, an
         axis twice, more than one fast axis in all, more dimensions than the
-        leaf has, or a dimension the axis size does not divide; named by leaf.
+        leaf has, or a dimension the axis size does not divide; a
+        :class:`Padded` entry where ``padded`` is False, or one whose shapes
+        do not fit its leaf or pad more than needed; named by leaf.
     """
     paths = jax.tree_util.tree_leaves_with_path(tree)
     leaves = _spec_leaves(specs, jax.tree.structure(tree))
     fast = set()
-    for (path, x), spec in zip(paths, leaves):
-        if spec is None:
+    for (path, x), entry in zip(paths, leaves):
+        if entry is None:
             continue
         name = jax.tree_util.keystr(path) or "<root>"
+        spec = as_spec(entry)
+        if isinstance(entry, Padded):
+            if not padded:
+                raise ValueError(f"specs{name} = {entry} pads its leaf, which this step does not take: use "
+                                 "data_parallel_step(specs=...), or fsdp_specs(..., pad_min_size=None) to keep "
+                                 "such leaves whole")
+            if tuple(np.shape(x)) not in (entry.shape, entry.padded_shape):
+                raise ValueError(f"specs{name} = {entry} is for a leaf of shape {entry.shape} (stored "
+                                 f"{entry.padded_shape}), got {tuple(np.shape(x))}")
         if not isinstance(spec, P):
-            raise ValueError(f"specs{name} must be a PartitionSpec or None, got {spec!r}")
-        shape = np.shape(x)
+            raise ValueError(f"specs{name} must be a PartitionSpec, parallel.Padded or None, got {entry!r}")
+        shape = entry.padded_shape if isinstance(entry, Padded) else np.shape(x)
         if len(spec) > len(shape):
             raise ValueError(f"specs{name} = {spec} has {len(spec)} entries for a leaf of shape {shape}")
         seen = []
@@ -264,15 +487,20 @@ def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str) -> lis
                                      "dimension or keep the leaf whole (None), as fsdp_specs does")
         if len(seen) > 1:
             raise ValueError(f"specs{name} = {spec} shards over several axes {tuple(seen)}: one fast axis only")
+        if isinstance(entry, Padded):
+            d, size = entry.dim, mesh.shape[seen[0]]
+            if entry.padded_shape[d] != -(-entry.shape[d] // size) * size:
+                raise ValueError(f"specs{name} = {entry} pads dimension {d} to {entry.padded_shape[d]}: the next "
+                                 f"multiple of the fast size {size} is {-(-entry.shape[d] // size) * size}")
     if len(fast) > 1:
         raise ValueError(f"specs shard over several axes {sorted(fast)}: one fast axis only")
     return leaves
 
 
 def shard_dims(leaf_specs: Sequence) -> tuple[list, str | None]:
-    """The sharded dimension of each leaf (None: whole) and the fast axis the specs name."""
+    """The sharded dimension of each leaf (None: whole) and the fast axis the specs name (:class:`Padded` entries too)."""
     dims, fast = [], None
-    for spec in leaf_specs:
+    for spec in map(as_spec, leaf_specs):
         dim = None
         for d, entry in enumerate(tuple(spec) if spec is not None else ()):
             if entry is not None:
@@ -281,13 +509,18 @@ def shard_dims(leaf_specs: Sequence) -> tuple[list, str | None]:
     return dims, fast
 
 
-def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: int = 1024) -> Any:
+def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: int = 1024,
+               pad_min_size: int | None = 65536) -> Any:
     """A default sharding rule for the parameters over the fast axis (FSDP, ZeRO-3 style).
 
     Each leaf of at least ``min_size`` elements is sharded over ``fast_axis``
     along its largest dimension that the axis size divides (the first such
-    dimension on a tie); scalars, small leaves and leaves with no such
-    dimension are held whole by every fast device (``P()``).
+    dimension on a tie).  A leaf with no such dimension and at least
+    ``pad_min_size`` elements is stored padded (:class:`Padded`): zeros
+    appended along its largest dimension (the first on a tie) up to a
+    multiple of the axis size, sharded along it.  Scalars, small leaves and
+    the other leaves with no such dimension are held whole by every fast
+    device (``P()``).
 
     Args:
       params: pytree of arrays (one worker's parameters, no worker axis) or
@@ -295,13 +528,18 @@ def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: in
       mesh: a 2-D mesh (:func:`make_2d_mesh`).
       fast_axis: the mesh axis to shard over.
       min_size: leaves with fewer elements stay whole, an int >= 1.
+      pad_min_size: leaves with no dimension the axis size divides are padded
+        from this many elements on, an int >= 1, or None: never (such leaves
+        stay whole, for the steps that take no :class:`Padded` spec: the NNX
+        and user-step builders).
 
     Returns:
-      A tree like ``params`` of ``PartitionSpec`` (``P()``: whole), for :func:`replicate`,
-      :func:`init_worker_state` and :func:`data_parallel_step`'s ``specs=``.
+      A tree like ``params`` of ``PartitionSpec`` (``P()``: whole) or :class:`Padded`, for
+      :func:`replicate`, :func:`init_worker_state` and :func:`data_parallel_step`'s ``specs=``.
 
     Raises:
-      ValueError: ``fast_axis`` not an axis of ``mesh``, or ``min_size`` < 1.
+      ValueError: ``fast_axis`` not an axis of ``mesh``, ``min_size`` < 1, or
+        ``pad_min_size`` neither None nor an int >= 1.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -313,6 +551,9 @@ def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: in
     check_axis(mesh, fast_axis)
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+    if pad_min_size is not None and (isinstance(pad_min_size, bool) or not isinstance(pad_min_size, int)
+                                     or pad_min_size < 1):
+        raise ValueError(f"pad_min_size must be None or an int >= 1, got {pad_min_size!r}")
     f = mesh.shape[fast_axis]
 
     def rule(x):
@@ -320,8 +561,12 @@ def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: in
         if int(np.prod(shape, dtype=np.int64)) < min_size or not shape:
             return P()
         best = max((d for d in range(len(shape)) if shape[d] % f == 0), key=lambda d: (shape[d], -d), default=None)
-        if best is None:
+        if best is not None:
+            return P(*([None] * best + [fast_axis] + [None] * (len(shape) - best - 1)))
+        if pad_min_size is None or int(np.prod(shape, dtype=np.int64)) < pad_min_size:
             return P()
-        return P(*([None] * best + [fast_axis] + [None] * (len(shape) - best - 1)))
+        best = max(range(len(shape)), key=lambda d: (shape[d], -d))
+        padded = shape[:best] + (-(-shape[best] // f) * f,) + shape[best + 1:]
+        return Padded(P(*([None] * best + [fast_axis] + [None] * (len(shape) - best - 1))), shape, padded)
 
     return jax.tree.map(rule, params)

@@ -35,7 +35,16 @@ from compjax.parallel.core import (
     warn_no_exchange,
 )
 from compjax.parallel.mesh import check_axis, worker_axes
-from compjax.parallel.placement import checked_leaf_specs, shard_dims, stacked_spec, state_specs
+from compjax.parallel.placement import (
+    Padded,
+    as_spec,
+    checked_leaf_specs,
+    pad_leaves,
+    shard_dims,
+    stacked_spec,
+    state_specs,
+    unpad_leaves,
+)
 
 
 def data_parallel_step(
@@ -226,8 +235,13 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
                   compute_dtype=None) -> Callable[..., tuple]:
     """:func:`data_parallel_step` over parameters sharded by ``specs`` (built at the first call, per tree)."""
     def build(params, opt_state):
-        logical = _logical(params)
-        leaf_specs = checked_leaf_specs(logical, specs, mesh, axis_name)
+        stored = _logical(params)
+        leaf_specs = checked_leaf_specs(stored, specs, mesh, axis_name, padded=True)
+        # A padded leaf (parallel.Padded) is stored padded and sharded; the step cuts it to its logical shape before
+        # the loss and the optimizer (which see it whole, as a leaf held whole) and pads the results again.
+        logical = jax.tree.unflatten(jax.tree.structure(stored), [
+            jax.ShapeDtypeStruct(e.shape, x.dtype) if isinstance(e, Padded) else x
+            for x, e in zip(jax.tree.leaves(stored), leaf_specs)])
         dims, named = shard_dims(leaf_specs)
         fast = fast_axis or named
         if fast is None:
@@ -235,13 +249,15 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         if named is not None and named != fast:
             raise ValueError(f"specs shard over {named!r} but fast_axis={fast!r}")
         treedef = jax.tree.structure(logical)
-        pspecs = jax.tree.unflatten(treedef, [stacked_spec(axis_name, s) for s in leaf_specs])
-        sspecs = jax.tree.map(lambda s: stacked_spec(axis_name, s),
-                              state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
-                              is_leaf=lambda x: isinstance(x, P))
+        pspecs = jax.tree.unflatten(treedef, [stacked_spec(axis_name, as_spec(s)) for s in leaf_specs])
+        state_entries = jax.tree.leaves(state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
+                                        is_leaf=lambda x: isinstance(x, (P, Padded)))
+        state_def = jax.tree.structure(opt_state)
+        sspecs = jax.tree.unflatten(state_def, [stacked_spec(axis_name, as_spec(s)) for s in state_entries])
         per_device = P((axis_name, fast))
-        own_specs = jax.tree.unflatten(treedef, [P() if s is None else s for s in leaf_specs])
-        state_own = jax.tree.map(lambda s: P(*tuple(s)[1:]), sspecs, is_leaf=lambda x: isinstance(x, P))
+        own_specs = jax.tree.unflatten(treedef, [P() if s is None or isinstance(s, Padded) else s for s in leaf_specs])
+        dims = [None if isinstance(s, Padded) else d for s, d in zip(leaf_specs, dims)]
+        state_own = jax.tree.unflatten(state_def, [P() if isinstance(s, Padded) else s for s in state_entries])
         value_and_grad = per_device_value_and_grad(loss_fn, fast, has_aux, own_specs)
 
         def update(params, opt_state, grads):  # this device's shards (and whole leaves)
@@ -251,9 +267,13 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
             return optax.apply_updates(params, updates), opt_state
 
         def body(params, opt_state, chunks, *keys):  # one worker's logical arrays, sharded over the fast axis
+            params = jax.tree.unflatten(treedef, unpad_leaves(jax.tree.leaves(params), leaf_specs))
+            opt_state = jax.tree.unflatten(state_def, unpad_leaves(jax.tree.leaves(opt_state), state_entries))
             (loss, aux), grads = value_and_grad(to_compute(params, compute_dtype), chunks, *keys)
             params, opt_state = on_shards(update, fast, (own_specs, state_own, own_specs),
                                           (own_specs, state_own))(params, opt_state, grads)
+            params = jax.tree.unflatten(treedef, pad_leaves(jax.tree.leaves(params), leaf_specs))
+            opt_state = jax.tree.unflatten(state_def, pad_leaves(jax.tree.leaves(opt_state), state_entries))
             return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
         out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
