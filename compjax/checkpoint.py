@@ -19,6 +19,13 @@ NamedTuple state, worker-stacked keys) are stored as their
 keys of that implementation (``jax.random.wrap_key_data``) on the target's
 sharding.
 
+Sharded states whose leaves are stored padded (``parallel.Padded`` in the
+``specs`` of :func:`compjax.parallel.fsdp_specs` / :func:`compjax.parallel.state_specs`)
+are saved and restored with ``specs=``: the checkpoint holds the logical
+arrays (the padding cut off, the signature's shapes logical), so it does not
+depend on the fast axis size it was padded for, and is padded again onto
+the target's shardings when restored.
+
 Worker-local state must be worker-stacked: :meth:`Checkpointer.save` refuses an
 array sharded as replicated whose copies differ across devices
 (:func:`compjax.replicas.check_replicas_agree`), which a checkpoint would
@@ -215,6 +222,32 @@ def _wrap_keys(restored: Any, like: Any, impls: dict) -> Any:
     return jax.tree_util.tree_map_with_path(wrap, restored, like)
 
 
+def _logical_target(x: Any, entry: Any) -> Any:
+    """The restore target of a padded leaf ``x`` (worker-stacked): its logical shape, placed over the worker axis only."""
+    shape = tuple(np.shape(x)[:1]) + entry.shape
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(sharding.mesh, P(spec[0] if spec else None)))
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding) if sharding is not None else \
+        np.zeros(shape, np.dtype(x.dtype))
+
+
+def _padded_back(state: Any, like: Any, specs: Any) -> Any:
+    """``state`` (restored logical arrays) with each padded leaf padded with zeros onto ``like``'s leaf's sharding."""
+    from compjax.parallel.placement import Padded, is_spec_entry, pad
+
+    def back(entry, sub, target):
+        if not isinstance(entry, Padded):
+            return sub
+        sharding = getattr(target, "sharding", None)
+        if sharding is None or not isinstance(sub, jax.Array):
+            return pad(np.asarray(sub), entry, lead=1)
+        return jax.jit(lambda a: pad(a, entry, lead=1), out_shardings=sharding)(sub)
+
+    return jax.tree.map(back, specs, state, like, is_leaf=is_spec_entry)
+
+
 def _key_data(x: Any) -> Any:
     """The leaf as saved: typed keys as their uint32 key data, anything else as it is."""
     return jax.random.key_data(x) if _is_key(x) else x
@@ -259,8 +292,13 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
-    def save(self, step: int, state: Any, *, extra: dict | None = None) -> None:
+    def save(self, step: int, state: Any, *, extra: dict | None = None, specs: Any = None) -> None:
         """Save ``state`` (and ``extra``, JSON-able) as step ``step`` (>= 0); asynchronous, see :meth:`wait`.
+
+        With ``specs`` (a prefix of ``state`` whose leaves are ``PartitionSpec``,
+        ``parallel.Padded`` or None, e.g. ``{"params": specs, "opt_state":
+        parallel.state_specs(tx, params, specs, mesh)}``), every padded leaf is
+        saved in its logical shape (:func:`compjax.parallel.logical`).
 
         The checkpoint holds the values at this call: ``extra`` is copied (and
         checked JSON-serializable) before the background write, so the caller
@@ -275,12 +313,16 @@ class Checkpointer:
             array sharded as replicated whose copies differ across devices
             (worker-local state returned by ``pmap(..., out_axes=None)``, see
             :func:`compjax.replicas.check_replicas_agree`): the checkpoint would
-            hold one worker's copy only.
+            hold one worker's copy only; ``specs`` that do not fit ``state``.
           TypeError: ``extra`` not JSON-serializable.
         """
         latest = self.latest_step()
         if step < 0 or (latest is not None and step <= latest):
             raise ValueError(f"step must be >= 0 and newer than the latest checkpoint ({latest}), got {step}")
+        if specs is not None:
+            from compjax.parallel.placement import logical
+
+            state = logical(state, specs)
         check_replicas_agree(state, "Checkpointer.save")
         # The write happens in the background: snapshot the extra dict, which the caller may change next.
         meta = {"signature": signature(state), "extra": json.loads(json.dumps(extra or {}))}
@@ -296,7 +338,7 @@ class Checkpointer:
         """Every step kept in the directory, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def restore(self, like: Any, *, step: int | None = None) -> tuple[Any, dict]:
+    def restore(self, like: Any, *, step: int | None = None, specs: Any = None) -> tuple[Any, dict]:
         """Restore a saved state onto the structure, dtypes and shardings of ``like``.
 
         Args:
@@ -304,6 +346,9 @@ class Checkpointer:
             initialized state of the run) or its ``jax.ShapeDtypeStruct`` view
             with shardings; NumPy leaves come back as NumPy arrays.
           step: the step to restore; default the latest.
+          specs: as in :meth:`save`: ``like``'s padded leaves (stored padded)
+            are compared with and restored from the logical arrays saved, and
+            come back padded with zeros on ``like``'s shardings.
 
         Returns:
           ``(state, extra)``: the restored state (same pytree types as ``like``,
@@ -315,7 +360,8 @@ class Checkpointer:
           FileNotFoundError: no checkpoint in the directory (or not ``step``).
           ValueError: the checkpoint's worker count, state types or a leaf's
             shape or dtype differ from ``like``'s (the message names both),
-            typed PRNG keys against raw ``uint32`` key data included.
+            typed PRNG keys against raw ``uint32`` key data included; ``specs``
+            that do not fit ``like``.
         """
         self.wait()
         step = self.latest_step() if step is None else int(step)
@@ -323,12 +369,20 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint{'' if step is None else f' for step {step}'} in "
                                     f"{self.directory} (steps there: {self.all_steps()})")
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        padded_like = like
+        if specs is not None:
+            from compjax.parallel.placement import map_padded
+
+            like = map_padded(_logical_target, like, specs)
         why = _mismatch(meta["signature"], signature(like), f"checkpoint {self.directory / str(step)}")
         if why:
             raise ValueError(why)
         target = jax.tree.map(_abstract, like)
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        return _wrap_keys(restored["state"], like, meta["signature"].get("keys", {})), meta["extra"]
+        state = _wrap_keys(restored["state"], like, meta["signature"].get("keys", {}))
+        if specs is not None:
+            state = _padded_back(state, padded_like, specs)
+        return state, meta["extra"]
 
     def wait(self) -> None:
         """Block until every save in flight is on disk."""

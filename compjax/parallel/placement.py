@@ -22,6 +22,7 @@ compressor, inside a step, how its gradients are sharded over the fast axis.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,12 +84,17 @@ class Padded:
         """The padded (and sharded) dimension."""
         return next(d for d, e in enumerate(tuple(self.spec)) if e is not None)
 
+    def _key(self) -> tuple:  # trailing None entries of the spec do not matter: P("fast") == P("fast", None) here
+        entries = list(self.spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return tuple(entries), self.shape, self.padded_shape
+
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Padded) and (self.spec, self.shape, self.padded_shape) == \
-            (other.spec, other.shape, other.padded_shape)
+        return isinstance(other, Padded) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((Padded, self.spec, self.shape, self.padded_shape))
+        return hash((Padded, self._key()))
 
     def __repr__(self) -> str:
         return f"Padded({self.spec!r}, shape={self.shape}, padded_shape={self.padded_shape})"
@@ -200,9 +206,15 @@ def logical(tree: Any, specs: Any) -> Any:
         if mesh is None:
             return unpad(x, entry, lead=1)
         worker = tuple(x.sharding.spec)[0] if len(tuple(x.sharding.spec)) else None
-        return jax.jit(lambda a: unpad(a, entry, lead=1), out_shardings=NamedSharding(mesh, P(worker)))(x)
+        return _cut_fn(entry, NamedSharding(mesh, P(worker)))(x)
 
     return map_padded(cut, tree, specs)
+
+
+@functools.lru_cache(maxsize=256)
+def _cut_fn(entry: Padded, sharding: NamedSharding) -> Any:
+    """The jitted cut of a worker-stacked padded leaf to its logical shape, placed by ``sharding`` (one per pair)."""
+    return jax.jit(lambda a: unpad(a, entry, lead=1), out_shardings=sharding)
 
 
 def put(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -446,22 +458,22 @@ def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, pad
     paths = jax.tree_util.tree_leaves_with_path(tree)
     leaves = _spec_leaves(specs, jax.tree.structure(tree))
     fast = set()
-    for (path, x), entry in zip(paths, leaves):
-        if entry is None:
+    for (path, x), given in zip(paths, leaves):
+        if given is None:
             continue
         name = jax.tree_util.keystr(path) or "<root>"
-        spec = as_spec(entry)
-        if isinstance(entry, Padded):
+        spec = as_spec(given)
+        if isinstance(given, Padded):
             if not padded:
-                raise ValueError(f"specs{name} = {entry} pads its leaf, which this step does not take: use "
+                raise ValueError(f"specs{name} = {given} pads its leaf, which this step does not take: use "
                                  "data_parallel_step(specs=...), or fsdp_specs(..., pad_min_size=None) to keep "
                                  "such leaves whole")
-            if tuple(np.shape(x)) not in (entry.shape, entry.padded_shape):
-                raise ValueError(f"specs{name} = {entry} is for a leaf of shape {entry.shape} (stored "
-                                 f"{entry.padded_shape}), got {tuple(np.shape(x))}")
+            if tuple(np.shape(x)) not in (given.shape, given.padded_shape):
+                raise ValueError(f"specs{name} = {given} is for a leaf of shape {given.shape} (stored "
+                                 f"{given.padded_shape}), got {tuple(np.shape(x))}")
         if not isinstance(spec, P):
-            raise ValueError(f"specs{name} must be a PartitionSpec, parallel.Padded or None, got {entry!r}")
-        shape = entry.padded_shape if isinstance(entry, Padded) else np.shape(x)
+            raise ValueError(f"specs{name} must be a PartitionSpec, parallel.Padded or None, got {given!r}")
+        shape = given.padded_shape if isinstance(given, Padded) else np.shape(x)
         if len(spec) > len(shape):
             raise ValueError(f"specs{name} = {spec} has {len(spec)} entries for a leaf of shape {shape}")
         seen = []
@@ -487,11 +499,11 @@ def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, pad
                                      "dimension or keep the leaf whole (None), as fsdp_specs does")
         if len(seen) > 1:
             raise ValueError(f"specs{name} = {spec} shards over several axes {tuple(seen)}: one fast axis only")
-        if isinstance(entry, Padded):
-            d, size = entry.dim, mesh.shape[seen[0]]
-            if entry.padded_shape[d] != -(-entry.shape[d] // size) * size:
-                raise ValueError(f"specs{name} = {entry} pads dimension {d} to {entry.padded_shape[d]}: the next "
-                                 f"multiple of the fast size {size} is {-(-entry.shape[d] // size) * size}")
+        if isinstance(given, Padded):
+            d, size = given.dim, mesh.shape[seen[0]]
+            if given.padded_shape[d] != -(-given.shape[d] // size) * size:
+                raise ValueError(f"specs{name} = {given} pads dimension {d} to {given.padded_shape[d]}: the next "
+                                 f"multiple of the fast size {size} is {-(-given.shape[d] // size) * size}")
     if len(fast) > 1:
         raise ValueError(f"specs shard over several axes {sorted(fast)}: one fast axis only")
     return leaves
