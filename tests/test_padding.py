@@ -61,10 +61,13 @@ def test_replicate_stores_zeros_in_the_padding_and_every_reader_gives_the_logica
     assert sp["w1"].addressable_shards[0].data.shape == (1, 6, 3)
     assert not np.any(np.asarray(sp["w1"])[:, :, 10:]) and not np.any(np.asarray(sp["w2"])[:, 10:])
     np.testing.assert_array_equal(np.asarray(sp["w1"])[:, :, :10], np.broadcast_to(init["w1"], (SLOW, 6, 10)))
+    one, every = parallel.unreplicate(sp, specs=specs), parallel.gather(sp, specs=specs)
     for k, v in init.items():
-        np.testing.assert_array_equal(parallel.unreplicate(sp, specs=specs)[k], v)
-        np.testing.assert_array_equal(parallel.gather(sp, specs=specs)[k], np.broadcast_to(v, (SLOW, *v.shape)))
-        np.testing.assert_array_equal(np.asarray(parallel.logical(sp, specs)[k]), np.broadcast_to(v, (SLOW, *v.shape)))
+        np.testing.assert_array_equal(one[k], v)
+        np.testing.assert_array_equal(every[k], np.broadcast_to(v, (SLOW, *v.shape)))
+    on_device = parallel.logical(sp["w1"], specs["w1"])  # cut on the devices, placed over the worker axis only
+    assert on_device.sharding.spec == jax.P("data")
+    np.testing.assert_array_equal(np.asarray(on_device), np.broadcast_to(init["w1"], (SLOW, 6, 10)))
     assert parallel.unreplicate(sp)["w1"].shape == (6, 12)  # without specs: the stored (padded) leaf
 
 
@@ -163,3 +166,20 @@ def test_a_checkpoint_holds_the_logical_arrays_and_restores_them_padded(tmp_path
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(b, a)
     assert signature(parallel.logical(state, both))["leaves"]["['params']['w1']"] == [[2, 6, 10], "float32"]
+
+
+def test_a_sharded_step_refuses_padded_specs_over_parameters_not_stored_padded():
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    init = _params()
+    specs = parallel.fsdp_specs(init, mesh, min_size=1, pad_min_size=8)
+    tx = optax.chain(cj.topk(0.1, axis_name="data"), optax.sgd(0.1))
+
+    def stacked(x):  # the logical shape with a worker axis, as replicate() without specs= would give
+        return jax.ShapeDtypeStruct((SLOW, *np.shape(x)), jnp.result_type(x))
+
+    params, opt_state = jax.tree.map(stacked, init), jax.tree.map(stacked, tx.init(init))
+    batch = (jax.ShapeDtypeStruct((16, 6), jnp.float32), jax.ShapeDtypeStruct((16, 3), jnp.float32))
+    step = parallel.data_parallel_step(_loss, tx, mesh, specs=specs)
+    with pytest.raises(ValueError, match=r"params\['b1'\] has shape \(10,\) per worker, but its spec Padded.*"
+                                         r"parallel.replicate\(..., specs=specs\)"):
+        step.lower(params, opt_state, batch)

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from registry import CASES
 
 import compjax as cj

@@ -63,11 +63,11 @@ class Padded:
         from ``shape`` elsewhere than on that dimension or smaller there.
     """
 
-    __slots__ = ("spec", "shape", "padded_shape")
+    __slots__ = ("padded_shape", "shape", "spec")
 
     def __init__(self, spec: P, shape: Sequence[int], padded_shape: Sequence[int]):
         if not isinstance(spec, P):
-            raise ValueError(f"spec must be a PartitionSpec, got {spec!r}")
+            raise ValueError(f"spec must be a PartitionSpec, got {spec!r}")  # noqa: TRY004
         shape, padded_shape = tuple(int(n) for n in shape), tuple(int(n) for n in padded_shape)
         sharded = [d for d, e in enumerate(tuple(spec)) if e is not None]
         if len(sharded) != 1:
@@ -90,7 +90,7 @@ class Padded:
             entries.pop()
         return tuple(entries), self.shape, self.padded_shape
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Padded) and self._key() == other._key()
 
     def __hash__(self) -> int:
@@ -149,6 +149,19 @@ def unpad_leaves(leaves: Sequence, entries: Sequence) -> list:
                 for x, e in zip(leaves, entries)]
 
 
+def check_stored(tree: Any, entries: Sequence, what: str) -> None:
+    """Raise a ValueError naming the first leaf of ``tree`` (no worker axis) not stored in its :class:`Padded` shape.
+
+    ``entries`` holds one entry per leaf of ``tree``; ``what`` names the tree
+    (``"params"``, ``"opt_state"``) in the message.
+    """
+    for (path, x), e in zip(jax.tree_util.tree_leaves_with_path(tree), entries):
+        if isinstance(e, Padded) and tuple(np.shape(x)) != e.padded_shape:
+            raise ValueError(f"{what}{jax.tree_util.keystr(path)} has shape {tuple(np.shape(x))} per worker, but its "
+                             f"spec {e} stores it padded: place it with parallel.replicate(..., specs=specs) / "
+                             "parallel.init_worker_state(..., specs=specs)")
+
+
 def pad_leaves(leaves: Sequence, entries: Sequence) -> list:
     """Inside a sharded step: each padded leaf (logical, no worker axis) padded with zeros and laid out by its spec."""
     from compjax import collectives
@@ -205,7 +218,7 @@ def logical(tree: Any, specs: Any) -> Any:
         mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None
         if mesh is None:
             return unpad(x, entry, lead=1)
-        worker = tuple(x.sharding.spec)[0] if len(tuple(x.sharding.spec)) else None
+        worker = next(iter(x.sharding.spec), None)
         return _cut_fn(entry, NamedSharding(mesh, P(worker)))(x)
 
     return map_padded(cut, tree, specs)
@@ -408,10 +421,9 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
         return jax.tree.unflatten(jax.tree.structure(state), out)
     # Padded parameters: the rule was read on the padded shapes; each leaf of the logical state keeps the dimension
     # its padded counterpart (same key path) is sharded along, padded where the fast size does not divide it.
-    proxy = dict(zip([p for p, _ in jax.tree_util.tree_flatten_with_path(
-        jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole)))[0]], state_dims))
-    proxy_shapes = dict((p, tuple(a.shape)) for p, a in jax.tree_util.tree_flatten_with_path(
-        jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole)))[0])
+    padded_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole)))[0]
+    proxy = {p: d for (p, _), d in zip(padded_state, state_dims)}
+    proxy_shapes = {p: tuple(a.shape) for p, a in padded_state}
     out = []
     for path, a in jax.tree_util.tree_flatten_with_path(state)[0]:
         d, shape = proxy.get(path), tuple(a.shape)

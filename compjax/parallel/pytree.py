@@ -38,6 +38,7 @@ from compjax.parallel.mesh import check_axis, worker_axes
 from compjax.parallel.placement import (
     Padded,
     as_spec,
+    check_stored,
     checked_leaf_specs,
     pad_leaves,
     shard_dims,
@@ -128,7 +129,9 @@ def data_parallel_step(
       fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
         mesh (with ``specs``: the axis they name).
       specs: None, or a tree like the parameters (without the worker axis) of
-        ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`).
+        ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`), or
+        :class:`~compjax.parallel.Padded` for a leaf stored padded: the loss
+        and ``tx`` see its logical shape (held whole inside the step).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
         worker's ``aux`` too (e.g. logits or an accuracy).
       rng: the step takes a PRNG key (typed or raw, one for all workers) and
@@ -253,6 +256,8 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         state_entries = jax.tree.leaves(state_specs(tx, logical, jax.tree.unflatten(treedef, leaf_specs), mesh),
                                         is_leaf=lambda x: isinstance(x, (P, Padded)))
         state_def = jax.tree.structure(opt_state)
+        check_stored(stored, leaf_specs, "params")
+        check_stored(_logical(opt_state), state_entries, "opt_state")
         sspecs = jax.tree.unflatten(state_def, [stacked_spec(axis_name, as_spec(s)) for s in state_entries])
         per_device = P((axis_name, fast))
         own_specs = jax.tree.unflatten(treedef, [P() if s is None or isinstance(s, Padded) else s for s in leaf_specs])
