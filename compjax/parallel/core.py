@@ -27,7 +27,9 @@ on arrays donated twice rather than raising).
 worker's logical arrays (sharded over the fast axis, gathered by XLA where
 they are used), with :func:`on_shards` for the part that works on each
 device's shards and :func:`per_device_value_and_grad` for the loss of each
-device's chunk of the batch.
+device's chunk of the batch.  Donated, it is a :class:`MergedStep`: the
+worker-stacked leaves travel merged into their first dimension
+(:func:`merged_spec`), so the program updates each donated buffer in place.
 
 The step builders on top: :func:`compjax.parallel.data_parallel_step` (pytrees,
 1-D and 2-D, whole or sharded parameters), :func:`compjax.parallel.worker_step`
