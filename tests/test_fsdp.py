@@ -98,6 +98,51 @@ def test_each_device_holds_a_quarter_of_parameters_and_state(name):
     assert (args["sh"] - batch_bytes) <= (args["rep"] - batch_bytes) / FAST * 1.02, args
 
 
+def test_merged_spec_folds_the_worker_axis_into_the_first_dimensions_axes():
+    from compjax.parallel.core import merged_spec
+
+    assert merged_spec(P("data", "fast", None)) == P(("data", "fast"), None)
+    assert merged_spec(P("data", None, "fast")) == P("data", "fast")
+    assert merged_spec(P("data", ("fast", "tensor"))) == P(("data", "fast", "tensor"))
+    assert merged_spec(P("data")) == P("data")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["identity", "powersgd"])
+def test_a_donated_sharded_step_updates_its_state_in_place_and_equals_the_undonated_step(name):
+    """With ``donate=True`` the sharded step carries each stacked leaf merged into its first dimension: the compiled
+    program copies no donated parameter or AdamW moment (it updates them in place), and after 3 steps every leaf
+    equals the undonated step's, laid out as it came in, with one compilation."""
+    import re
+
+    from registry import CASES
+
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    params = mlp(np.random.default_rng(0), d=64, h=256, o=32)
+    tx = optax.chain(CASES[name].make(axis_name="data"), optax.adamw(1e-2, weight_decay=0.1))
+    specs = parallel.fsdp_specs(params, mesh, min_size=1024)
+    rng = np.random.default_rng(1)
+    batches = [parallel.shard_batch((rng.normal(size=(4 * SLOW * FAST, 64)).astype(np.float32),
+                                     rng.normal(size=(4 * SLOW * FAST, 32)).astype(np.float32)), mesh,
+                                    fast_axis="fast") for _ in range(3)]
+    out = {}
+    for donate in (False, True):
+        p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
+        step = parallel.data_parallel_step(mlp_loss, tx, mesh, specs=specs, donate=donate)
+        if donate:
+            text = step.lower(p, s, batches[0]).compile().as_text()
+            copied = [m for m in re.findall(r"= f32\[([\d,]+)\][^ ]* copy\(%param", text)
+                      if np.prod([int(d) for d in m.split(",")]) >= 1024]
+            assert not copied, f"donated leaves copied instead of updated in place: {copied}"
+        for b in batches:
+            p, s, loss = step(p, s, b)
+        assert step._cache_size() == 1
+        out[donate] = (p, s, loss)
+    for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+        assert a.shape == b.shape and a.sharding.spec == b.sharding.spec, (a.shape, b.shape, a.sharding, b.sharding)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
 def _nan_batch(rng, host, device, column):
     """A batch whose rows on (host, device) hold a NaN in one input ``column``: with :func:`lin_loss` the gradient
     of ``w``'s row ``column`` (in one fast shard) is NaN on that host only, every other entry finite."""

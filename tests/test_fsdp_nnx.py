@@ -42,7 +42,8 @@ def batches(n=5, rows=32):
             for _ in range(n)]
 
 
-def test_nnx_sharded_steps_equal_the_pytree_steps_replicated_2d_layout_with_a_quarter_per_device():
+@pytest.mark.parametrize("donate", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_nnx_sharded_steps_equal_the_pytree_steps_replicated_2d_layout_with_a_quarter_per_device(donate):
     mesh = parallel.make_2d_mesh(SLOW, FAST)
 
     def tx():
@@ -57,7 +58,7 @@ def test_nnx_sharded_steps_equal_the_pytree_steps_replicated_2d_layout_with_a_qu
     for x in jax.tree.leaves(nnx.state((model, optimizer))):
         if x.ndim >= 2 and x.size >= 12 * 32 * SLOW:
             assert x.addressable_shards[0].data.size * SLOW * FAST == x.size, x.sharding.spec
-    step = parallel.nnx_data_parallel_step(loss_fn, mesh, fast_axis="fast")
+    step = parallel.nnx_data_parallel_step(loss_fn, mesh, fast_axis="fast", donate=donate)
 
     ref_tx = tx()
     params = parallel.replicate(params0, mesh, fast_axis="fast")

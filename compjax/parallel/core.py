@@ -27,7 +27,9 @@ on arrays donated twice rather than raising).
 worker's logical arrays (sharded over the fast axis, gathered by XLA where
 they are used), with :func:`on_shards` for the part that works on each
 device's shards and :func:`per_device_value_and_grad` for the loss of each
-device's chunk of the batch.
+device's chunk of the batch.  Donated, it is a :class:`MergedStep`: the
+worker-stacked leaves travel merged into their first dimension
+(:func:`merged_spec`), so the program updates each donated buffer in place.
 
 The step builders on top: :func:`compjax.parallel.data_parallel_step` (pytrees,
 1-D and 2-D, whole or sharded parameters), :func:`compjax.parallel.worker_step`
@@ -198,10 +200,15 @@ def build_sharded_step(
         ``PartitionSpec`` (or a tree of them, a prefix of the argument) of a
         stacked argument, the worker axis first.
       out_specs: a tree of ``PartitionSpec``s, a prefix of the outputs, with the worker axis.
-      donate: donate the stacked arguments' buffers.
+      donate: donate the stacked arguments' buffers.  The step then carries
+        each stacked leaf of two or more dimensions merged into its first one
+        (``(n, d, ...)`` reshaped in place to ``(n * d, ...)``, laid out by
+        :func:`merged_spec`): each worker's block is the leaf's logical array,
+        which the program updates in place (see :class:`MergedStep`).
 
     Returns:
-      The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``).
+      The ``jax.jit`` function ``step(*args)`` (with ``.lower``, ``._cache_size``);
+      with ``donate``, a :class:`MergedStep` with the same three.
 
     Raises:
       ValueError: a kind not in ``"sbkc"``, or ``in_specs`` of another length
@@ -218,12 +225,18 @@ def build_sharded_step(
     def own(spec: P) -> P:  # a stacked leaf's spec without the worker axis
         return P(*tuple(spec)[1:])
 
-    def local(kind: str, a: Any, spec: Any) -> Any:
+    def leaf_specs(spec: Any, tree: Any) -> list:  # one stacked spec per leaf of ``tree`` (a prefix broadcast)
+        if spec is None:
+            return [worker] * len(jax.tree.leaves(tree))
+        return jax.tree.leaves(jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, tree,
+                                            is_leaf=_is_spec), is_leaf=_is_spec)
+
+    def local(kind: str, a: Any, spec: Any, merged: Any) -> Any:
         if kind == "s":
-            if spec is None:
-                return jax.tree.map(lambda x: x[0], a)
-            return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: constrain(x[0], own(s)), sub), spec, a,
-                                is_leaf=_is_spec)
+            leaves, treedef = jax.tree.flatten(a)
+            return jax.tree.unflatten(treedef, [
+                (x if m else x[0]) if spec is None else constrain(x if m else x[0], own(s))
+                for x, s, m in zip(leaves, leaf_specs(spec, a), merged)])
         if kind == "b":
             return jax.tree.map(chunks, a)
         if kind == "k":
@@ -242,23 +255,152 @@ def build_sharded_step(
         first = next(iter(spec), None)
         return isinstance(first, tuple) and tuple(first) == per_device
 
-    def per_worker(consts: tuple, *mapped: Any) -> Any:
+    def per_worker(consts: tuple, merged_in: Any, merged_out: Any, *mapped: Any) -> Any:
         it_c, it_m = iter(consts), iter(mapped)
-        args = [next(it_c) if k == "c" else local(k, next(it_m), s) for k, s in zip(kinds, in_specs)]
+        args = []
+        for i, (k, s) in enumerate(zip(kinds, in_specs)):
+            if k == "c":
+                args.append(next(it_c))
+                continue
+            a = next(it_m)
+            flags = merged_in[i] if merged_in is not None and k == "s" else [False] * len(jax.tree.leaves(a))
+            args.append(local(k, a, s, flags))
         outs = body(*args)
-        return jax.tree.map(lambda s, sub: sub if is_per_device(s) else jax.tree.map(lambda x: x[None], sub),
-                            out_specs, outs, is_leaf=_is_spec)
+        leaves, treedef = jax.tree.flatten(outs)
+        merged_out = [False] * len(leaves) if merged_out is None else merged_out
+        return jax.tree.unflatten(treedef, [x if is_per_device(s) or m else x[None] for x, s, m
+                                            in zip(leaves, leaf_specs(out_specs, outs), merged_out)])
 
-    def run(*args: Any) -> Any:
+    def run(merged_in: Any, merged_out: Any, *args: Any) -> Any:
         consts = tuple(a for a, k in zip(args, kinds) if k == "c")
         mapped = tuple(a for a, k in zip(args, kinds) if k != "c")
         specs = tuple(P() if k == "k" else worker for k in kinds if k != "c")
-        sharded = jax.shard_map(functools.partial(per_worker, consts), mesh=mesh, in_specs=specs, out_specs=worker,
-                                axis_names={worker_axis})
+        sharded = jax.shard_map(functools.partial(per_worker, consts, merged_in, merged_out), mesh=mesh,
+                                in_specs=specs, out_specs=worker, axis_names={worker_axis})
         return sharded(*mapped)
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=_is_spec)
-    return jax.jit(run, static_argnums=static, donate_argnums=donated, out_shardings=shardings)
+    plain = jax.jit(functools.partial(run, None, None), static_argnums=static, donate_argnums=donated,
+                    out_shardings=shardings)
+    if not donate:
+        return plain
+    return MergedStep(plain, run, mesh, kinds, in_specs, out_specs, leaf_specs, is_per_device)
+
+
+def merged_spec(spec: P) -> P:
+    """The spec of a worker-stacked leaf ``(n, d, ...)`` reshaped to ``(n * d, ...)``: the worker axis and ``d``'s axes merged.
+
+    ``P("data", "fast", None)`` -> ``P(("data", "fast"), None)``; ``P("data")`` -> ``P("data")``.
+    """
+    parts = tuple(spec)
+    first = parts[1] if len(parts) > 1 else None
+    lead = parts[0] if first is None else (parts[0], *((first,) if isinstance(first, str) else tuple(first)))
+    return P(lead, *parts[2:])
+
+
+class MergedStep:
+    """:func:`build_sharded_step`'s donated step: its worker-stacked leaves carried merged into their first dimension.
+
+    A leaf ``(n, d, ...)`` (``n`` workers, laid out ``P(worker, *spec)``) is
+    reshaped in place (a jitted, donated reshape: the same bytes on every
+    device) to ``(n * d, ...)`` laid out by :func:`merged_spec`, so each
+    worker's block is the leaf's logical ``(d, ...)`` and the step's program
+    reads and writes the donated buffers in their own shape.  (Indexing
+    ``x[0]`` of a ``(1, d, ...)`` block instead puts a reshape between each
+    updated buffer and the program's output, and XLA:CPU then recomputes the
+    optimizer's elementwise update in every consumer and copies each donated
+    state leaf, a float32 copy of each AdamW moment, rather than updating it
+    in place.)  Leaves of one logical dimension or none, and key arrays, go
+    as they are.  The outputs come back worker-stacked, reshaped back the same
+    way.  Built per argument structure, shapes and dtypes (one
+    ``jax.eval_shape`` of the step for its outputs).
+
+    ``step(*args)`` runs it (three programs: the merge, the step, the split
+    back; the first and last move no data); ``step.lower(*args)`` lowers the
+    step's own program for ``args`` (arrays or ``jax.ShapeDtypeStruct`` with
+    shardings, worker-stacked as the caller holds them; nothing is donated);
+    ``step._cache_size()`` counts its compilations, as ``jax.jit``'s.
+    """
+
+    def __init__(self, plain, run, mesh, kinds, in_specs, out_specs, leaf_specs, is_per_device):
+        self._plain, self._run, self._mesh = plain, run, mesh
+        self._kinds, self._in_specs, self._out_specs = kinds, in_specs, out_specs
+        self._leaf_specs, self._is_per_device = leaf_specs, is_per_device
+        self._cache: dict = {}
+
+    @staticmethod
+    def _mergeable(x: Any, spec: P) -> bool:
+        dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+        return (len(np.shape(x)) >= 2 and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+                and len(tuple(spec)) >= 1)
+
+    def _prepared(self, args: tuple) -> tuple:
+        key = tuple(a if k == "c" else (jax.tree.structure(a), tuple((np.shape(x), jnp.result_type(x))
+                                                                       for x in jax.tree.leaves(a)))
+                    for a, k in zip(args, self._kinds))
+        if key in self._cache:
+            return self._cache[key]
+        merged_in, in_leaf = {}, []
+        for i, (a, k, s) in enumerate(zip(args, self._kinds, self._in_specs)):
+            if k != "s":
+                continue
+            specs = self._leaf_specs(s, a)
+            merged_in[i] = tuple(self._mergeable(x, sp) for x, sp in zip(jax.tree.leaves(a), specs))
+            in_leaf += [(x, sp) for x, sp, m in zip(jax.tree.leaves(a), specs, merged_in[i]) if m]
+        merged_in_t = tuple(merged_in.get(i) for i in range(len(args)))
+        outs = jax.eval_shape(self._plain, *args)
+        specs_out = self._leaf_specs(self._out_specs, outs)
+        merged_out = tuple(not self._is_per_device(sp) and self._mergeable(x, sp)
+                           for x, sp in zip(jax.tree.leaves(outs), specs_out))
+        shard = lambda sp: NamedSharding(self._mesh, sp)
+        out_leaf_specs = [shard(merged_spec(sp)) if m else shard(sp) for sp, m in zip(specs_out, merged_out)]
+        out_shardings = jax.tree.unflatten(jax.tree.structure(outs), out_leaf_specs)
+        static = tuple(i for i, k in enumerate(self._kinds) if k == "c")
+        donated = tuple(i for i, k in enumerate(self._kinds) if k == "s")
+        main = jax.jit(functools.partial(self._run, merged_in_t, merged_out), static_argnums=static,
+                       donate_argnums=donated, out_shardings=out_shardings)
+        merge_specs = [merged_spec(sp) for _, sp in in_leaf]
+        merge = jax.jit(lambda xs: [x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) for x in xs],
+                        donate_argnums=0, out_shardings=[shard(sp) for sp in merge_specs])
+        split_specs = [(np.shape(x), sp) for x, sp, m in zip(jax.tree.leaves(outs), specs_out, merged_out) if m]
+        split = jax.jit(lambda xs: [x.reshape(shape) for x, (shape, _) in zip(xs, split_specs)], donate_argnums=0,
+                        out_shardings=[shard(sp) for _, sp in split_specs])
+        self._cache[key] = (main, merge, split, merged_in_t, merge_specs, merged_out)
+        return self._cache[key]
+
+    def _merged_args(self, args: tuple, merged_in: tuple, merge: Any, merge_specs: list, abstract: bool) -> tuple:
+        picked = [x for a, flags in zip(args, merged_in) if flags is not None
+                  for x, m in zip(jax.tree.leaves(a), flags) if m]
+        if abstract:
+            new = [jax.ShapeDtypeStruct((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]), x.dtype,
+                                        sharding=NamedSharding(self._mesh, sp)) for x, sp in zip(picked, merge_specs)]
+        else:
+            new = merge(picked) if picked else []
+        it = iter(new)
+        out = []
+        for a, flags in zip(args, merged_in):
+            if flags is None:
+                out.append(a)
+                continue
+            leaves, treedef = jax.tree.flatten(a)
+            out.append(jax.tree.unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, flags)]))
+        return tuple(out)
+
+    def __call__(self, *args: Any) -> Any:
+        main, merge, split, merged_in, merge_specs, merged_out = self._prepared(args)
+        outs = main(*self._merged_args(args, merged_in, merge, merge_specs, abstract=False))
+        leaves, treedef = jax.tree.flatten(outs)
+        picked = [x for x, m in zip(leaves, merged_out) if m]
+        it = iter(split(picked) if picked else [])
+        return jax.tree.unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, merged_out)])
+
+    def lower(self, *args: Any) -> Any:
+        """The step's program lowered for ``args`` (arrays or ``jax.ShapeDtypeStruct`` with shardings), merged."""
+        main, merge, _, merged_in, merge_specs, _ = self._prepared(args)
+        return main.lower(*self._merged_args(args, merged_in, merge, merge_specs, abstract=True))
+
+    def _cache_size(self) -> int:
+        return sum(main._cache_size() for main, *_ in self._cache.values())
 
 
 def chunk_indices(worker_axis: str, size: int) -> jax.Array:

@@ -244,6 +244,8 @@ def nnx_data_parallel_step(
         step (False: every worker draws the same numbers).
       donate: donate the model's and optimizer's buffers to the step (the
         arrays held before the call are deleted; the objects get the new ones).
+        With parameters sharded over ``fast_axis``, the step updates them in
+        place (:class:`compjax.parallel.core.MergedStep`).
       independent: the workers are meant to train apart: no warning when
         nothing crosses ``axis_name`` (on a 1-D mesh read from the traced step,
         as :func:`worker_step`'s ``independent``; on a 2-D mesh from the

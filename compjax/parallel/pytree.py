@@ -138,7 +138,13 @@ def data_parallel_step(
         passes ``loss_fn`` this worker's ``jax.random.fold_in(key, i)``
         (``i`` the worker index over all worker axes): different draws on
         every worker, the same on every run.
-      donate: donate the params and state buffers to the step.
+      donate: donate the params and state buffers to the step.  With
+        ``specs``, the step then updates them in place: it carries each
+        worker-stacked leaf merged into its first dimension
+        (:class:`compjax.parallel.core.MergedStep`), so ``step.lower(...)``
+        lowers a program over the merged leaves (for
+        ``compile().memory_analysis()`` and :func:`compjax.audit_collectives`);
+        run the step itself, which merges and splits back around it.
       independent: the workers are meant to train apart (local SGD, an
         ensemble): no warning when ``tx`` holds no compjax compressor or
         algorithm.
