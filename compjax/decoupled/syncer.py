@@ -20,7 +20,7 @@ import optax
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
 from compjax.decoupled import wire
-from compjax.decoupled.messages import Contribution, Header, Reply, Start
+from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.transport import Incoming, Transport
 
 logger = logging.getLogger("compjax.decoupled")
@@ -72,7 +72,23 @@ class Syncer:
         θ^g_p ← θ^g_p + OuterOpt(Δ̄_p)                (default Nesterov SGD, lr 0.7, momentum 0.9)
         v_p   ← v_p + 1
 
-    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).  The sum
+    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).
+
+    **Compressed replies** (``reply_compressor``, e.g. ``cj.cast(jnp.bfloat16)`` or
+    ``cj.e3m0()``, ``axis_name=None``): the merge's outer update ``u_p = θ^g_p(new)
+    − θ^g_p`` is encoded with that compressor (its state, e.g. an error-feedback
+    residual, is the syncer's, one per fragment) and the syncer applies to its own
+    global values exactly the decoded message it sends, ``θ^g_p ← θ^g_p +
+    D(E(u_p))`` (:func:`compjax.decoupled.wire.applier`: one compiled program on
+    both sides), so a learner that adds the same message to its anchor holds the
+    syncer's global values bit for bit.  A contributor whose anchor is the version
+    just before the merge (staleness 0) gets the message (:attr:`Reply.update`);
+    any other reply (a stale contribution merged, a refusal, a join) carries the
+    whole float32 values.  The outer optimizer state follows the exact mean ``Δ̄_p``.
+    Without ``reply_compressor`` (the default) every reply carries the whole
+    float32 values, and the system computes :func:`compjax.diloco`'s global
+    parameters as said below; with it, the global model differs from those by what
+    the reply codec rounds (an error-feedback codec carries that into the next merge).  The sum
     runs over the contributions sorted by learner name, not in their order of
     arrival, so the merged values do not depend on which came first (bit for
     bit: two runs with the same rounds give the same global model).  With
@@ -121,6 +137,9 @@ class Syncer:
       staleness_decay: ``α >= 0`` of the weight ``e^{−α τ}`` of a stale contribution.
       heartbeat_timeout_s: seconds of silence after which a learner is lost, > 0; None
         (default) never declares one lost.
+      reply_compressor: a compjax compressor (``axis_name=None``) for the merged updates sent
+        back, or None (default) for whole float32 values; the learners must be built with the same
+        one (:class:`~compjax.decoupled.Learner`'s ``reply_compressor``).
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -128,6 +147,8 @@ class Syncer:
       merges: ``(fragment, version, learners)`` of every merge, in order.
       lost: ``(learner, last_seen)`` of every learner declared lost, in order; ``last_seen``
         is the wall-clock time of its last message (``time.time()`` seconds).
+      reply_bytes: per fragment, the bytes of the replies sent as compressed updates, summed over
+        their recipients (each the reply compressor's message size, :func:`message_bytes`).
 
     Raises:
       ValueError: any argument outside the ranges above, ``outer`` not an optax
@@ -168,6 +189,7 @@ class Syncer:
         max_staleness: int = 0,
         staleness_decay: float = 0.0,
         heartbeat_timeout_s: float | None = None,
+        reply_compressor: optax.GradientTransformation | None = None,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -185,6 +207,9 @@ class Syncer:
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
             raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
+        if reply_compressor is not None and not isinstance(reply_compressor, optax.GradientTransformation):
+            raise ValueError("reply_compressor must be a compjax compressor (axis_name=None) or None, "
+                             f"got {reply_compressor!r}")
         self.learners = tuple(names)
         self.min_quorum = int(quorum)
         self.grace_s = None if grace_s is None else float(grace_s)
@@ -201,6 +226,16 @@ class Syncer:
         self._tx = wire.default_compressor() if compressor is None else compressor
         self._like = [wire.like_of(g) for g in self._global]
         self._spec = [wire.payload_spec(self._tx, like) for like in self._like]  # what each fragment's message holds
+        self._reply_tx = reply_compressor
+        self._reply_comm: list = []
+        self.reply_bytes = [0] * len(self._index)
+        if reply_compressor is not None:
+            self._reply_encode = wire.encoder(reply_compressor)
+            self._reply_apply = [wire.applier(reply_compressor, like) for like in self._like]
+            self._reply_comm = [reply_compressor.init(g) for g in self._global]
+            for like in dict.fromkeys(self._like):  # once per distinct fragment (it compiles the encoder)
+                wire.check_capturable(reply_compressor, reply_compressor.init(
+                    [jnp.zeros(sh, dt) for sh, dt in like]), like)
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._rounds: list[_Round | None] = [None] * len(self._index)
@@ -315,16 +350,20 @@ class Syncer:
         """The syncer's numeric state as a pytree (the arrays :meth:`save` writes).
 
         ``{"global": per fragment the list of global leaves, "outer": per fragment the outer
-        optimizer state, "version": int32 (fragments,)}``.  The learners and their last-merged
+        optimizer state, "version": int32 (fragments,)}``, and with a ``reply_compressor``
+        ``"reply"``: per fragment its state (e.g. the replies' error-feedback residual).  The learners and their last-merged
         counters (:meth:`last_merged`) are saved beside it, as the checkpoint's JSON metadata, so
         that a checkpoint taken after late joins restores into a syncer built with the original list.
         """
         with self._lock:
-            return {
+            out = {
                 "global": [list(g) for g in self._global],
                 "outer": list(self._outer),
                 "version": np.asarray(self._version, np.int32),
             }
+            if self._reply_tx is not None:
+                out["reply"] = list(self._reply_comm)
+            return out
 
     # --- contributions ------------------------------------------------------------------------------
 
@@ -505,6 +544,9 @@ class Syncer:
         weights = jnp.asarray([r.entries[k][0] for k in order], jnp.float32)
         stacked = [jnp.stack([r.entries[k][1][j] for k in order]) for j in range(len(self._global[p]))]
         new, outer_state = self._merge(self._global[p], self._outer[p], stacked, weights)
+        update = None
+        if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
+            update, new = self._encode_update(p, list(new))
         self._global[p], self._outer[p] = list(new), outer_state
         self._version[p] += 1
         for k in names:
@@ -512,7 +554,30 @@ class Syncer:
         self.merges.append((p, self._version[p], tuple(names)))
         logger.info("merged fragment %d (version %d) from %s (%s)", p, self._version[p], ", ".join(names), why)
         values = tuple(np.array(x, copy=True) for x in new)
-        return [Reply(k, p, self._version[p], values) for k in names]
+        replies = []
+        for k in names:
+            if update is not None and r.entries[k][2] == 0:  # its anchor is the version before this merge
+                self.reply_bytes[p] += self._reply_message_bytes
+                replies.append(Reply(k, p, self._version[p], None, update=update))
+            else:
+                replies.append(Reply(k, p, self._version[p], values))
+        return replies
+
+    def _encode_update(self, p: int, new: list) -> tuple[tuple[np.ndarray, ...], list]:
+        """The reply compressor's message of ``new - global`` and the global values it decodes to."""
+        old = self._global[p]
+        delta = [n - o for n, o in zip(new, old)]
+        _, comm, payload, skipped = self._reply_encode(delta, self._reply_comm[p])
+        if bool(skipped):  # a non-finite update (the guard skipped it): the message of zeros, nothing applied
+            zeros = [jnp.zeros_like(o) for o in old]
+            payload = self._reply_encode(zeros, self._reply_tx.init(zeros))[2]
+            logger.warning("fragment %d: the merged update is not finite; the global values stay", p)
+        else:
+            self._reply_comm[p] = comm
+        update = tuple(np.asarray(x) for x in payload)
+        # The compressor's own count (equal to the arrays' bytes: checked when the syncer was built).
+        self._reply_message_bytes = sum(int(x.nbytes) for x in update) if bool(skipped) else message_bytes(comm)
+        return update, list(self._reply_apply[p](old, update))
 
     # --- running and checkpoints --------------------------------------------------------------------
 
@@ -581,6 +646,8 @@ class Syncer:
                                  f"with learners from the checkpoint's list (later ones join with register)")
             self._global = [list(g) for g in state["global"]]
             self._outer = list(state["outer"])
+            if self._reply_tx is not None:
+                self._reply_comm = list(state["reply"])
             self._version = [int(v) for v in np.asarray(state["version"])]
             self.learners = tuple(saved)
             self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
