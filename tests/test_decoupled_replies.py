@@ -161,3 +161,72 @@ def test_the_reply_codec_state_is_checkpointed(tmp_path):
 def test_reply_compressor_must_be_a_compressor():
     with pytest.raises(ValueError, match="reply_compressor"):
         Syncer(init_params(), learners=["a"], reply_compressor="bfloat16")
+
+
+class Compiles:
+    """Counts traces and XLA compilations while active (jax.monitoring's events): programs not compiled before."""
+
+    def __enter__(self):
+        self.count = 0
+
+        def listen(event, duration, **kwargs):
+            if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+                self.count += 1
+
+        self._listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+@pytest.mark.slow
+def test_after_warm_up_rounds_of_any_size_and_compressed_replies_compile_nothing():
+    """The syncer's warm_up compiles decoding, the merge (padded to the learners' count) and the reply codec;
+    it changes nothing; afterwards rounds of 1, 2 and 3 contributions compile nothing more."""
+    params0 = init_params()
+    names = ["a", "b", "c"]
+    s = Syncer(params0, learners=names, fragments=2, outer=optax.sgd(1.0), reply_compressor=cj.cast(jnp.bfloat16))
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(s.state())]
+    s.warm_up()
+    for a, b in zip(before, jax.tree.leaves(s.state())):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    with Compiles() as c:
+        for k, group in enumerate([["a"], ["a", "b"], ["a", "b", "c"]]):
+            for p in range(2):
+                s.min_quorum = len(group)
+                size = s.payload_spec(p)[0].shape
+                for name in group:
+                    delta = np.full(size, 0.01 * (k + 1), np.float32)
+                    h = Header(name, p, s.versions()[p], 8.0, k, (size,), ("<f4",), delta.nbytes)
+                    replies = s.submit(Contribution(h, (delta,)))
+                assert len(replies) == len(group) and all(r.update is not None for r in replies)
+    assert s.versions() == [3, 3] and not s.refused
+    assert c.count == 0
+
+
+@pytest.mark.slow
+def test_a_warmed_up_learner_compiles_nothing_when_it_sends_and_mixes_in_replies():
+    params0 = init_params()
+    reply = cj.cast(jnp.bfloat16)
+    transport = InProcessTransport(["a"])
+    s = Syncer(params0, learners=["a"], outer=optax.sgd(1.0), reply_compressor=reply)
+    inner = optax.sgd(LR)
+    lrn = Learner("a", train_step_for(inner), params0, inner.init(params0), transport, sync_every=2,
+                  reply_compressor=reply, alpha=0.5)
+    data = targets(6, 1)
+    batch = lambda c: jax.tree.map(lambda x: x[0], c)
+    s.warm_up()
+    lrn.warm_up(batch(data[0]))
+    stop = threading.Event()
+    server = threading.Thread(target=s.serve, args=(transport, stop))
+    with Compiles() as c:
+        server.start()
+        for d in data:
+            lrn.step(batch(d), tokens=8)
+        lrn.finish()
+        stop.set()
+        server.join(timeout=10)
+    assert s.versions() == [3] and sum(len(d) for d in lrn.stats.delays) == 3
+    assert c.count == 0

@@ -244,6 +244,9 @@ class Learner:
         leaves = jax.tree.leaves(params)
         wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
         self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
+        self._delta = jax.jit(lambda anchor, xs: [a - x.astype(a.dtype) for a, x in zip(anchor, xs)])
+        self._mix = jax.jit(lambda xs, new, a: [(a * x.astype(g.dtype) + (1 - a) * g).astype(x.dtype)
+                                                for x, g in zip(xs, new)])
         self._tx = wire.default_compressor() if compressor is None else compressor
         self._encode = wire.encoder(self._tx)
         self.worker_index = int(index)
@@ -277,7 +280,8 @@ class Learner:
         return list(self._version)
 
     def warm_up(self, batch: Any) -> None:
-        """Compile before joining: one ``train_step`` on the current state (its result discarded) and one encode.
+        """Compile before joining: one ``train_step`` on the current state (its result discarded), and per fragment
+        what a send and a reply run (the outer gradient, the encoder, the α mix, the reply codec's decoding).
 
         A learner that joins a running system should compile first and join after
         (:meth:`start_from`): its first contribution is then taken a few steps after the
@@ -286,8 +290,15 @@ class Learner:
         JAX step does not).
         """
         jax.block_until_ready(self._step_fn(self.params, self.inner_state, batch))
-        for p in range(self.fragments):
+        leaves = jax.tree.leaves(self.params)
+        for p in range(self.fragments):  # what a send and a reply run: the outer gradient, encoding, mixing
+            xs = [leaves[i] for i in self._index[p]]
+            jax.block_until_ready(self._delta(self._anchor[p], xs))
             jax.block_until_ready(self._encode([jnp.zeros_like(a) for a in self._anchor[p]], self._comm[p]))
+            jax.block_until_ready(self._mix(xs, self._anchor[p], self._alpha))
+            if self._reply_tx is not None:
+                zeros = tuple(np.zeros(x.shape, x.dtype) for x in self._reply_spec[p])
+                jax.block_until_ready(self._reply_apply[p](self._anchor[p], zeros))
 
     def start_from(self, start: Start) -> None:
         """Set every fragment's parameters, anchor and version to ``start``'s (a late join; see ``start=``).
@@ -377,7 +388,7 @@ class Learner:
     def _send(self, p: int) -> None:
         self._check_sends()
         leaves = jax.tree.leaves(self.params)
-        delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
+        delta = self._delta(self._anchor[p], [leaves[i] for i in self._index[p]])
         _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
         job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
                                   self._comm[p])
@@ -460,9 +471,9 @@ class Learner:
         self._anchor[p] = new
         self._version[p] = int(reply.version)
         leaves, treedef = jax.tree.flatten(self.params)
+        xs = [jnp.asarray(leaves[i]) for i in self._index[p]]
         a = 0.0 if self._wait else self._alpha
-        for i, g in zip(self._index[p], new):
-            x = jnp.asarray(leaves[i])
-            merged = g if a == 0.0 else a * x.astype(g.dtype) + (1 - a) * g
-            leaves[i] = merged.astype(x.dtype)
+        merged = [g.astype(x.dtype) for x, g in zip(xs, new)] if a == 0.0 else self._mix(xs, new, a)
+        for i, m in zip(self._index[p], merged):
+            leaves[i] = m
         self.params = jax.tree.unflatten(treedef, leaves)

@@ -34,9 +34,14 @@ class _Round:
     entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
 
 
-def _merge(outer_tx, anchor, outer_state, stacked, weights):
-    """Token-weighted mean of the contributions, then one outer step (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
+def _merge(outer_tx, anchor, outer_state, entries, weights):
+    """Token-weighted mean of the contributions, then one outer step (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``).
+
+    ``entries``: per row the decoded leaves of one contribution (rows of weight 0 are padding, so that the
+    program's shapes do not depend on how many learners contributed: one compile per fragment).
+    """
     w = weights / jnp.sum(weights)
+    stacked = [jnp.stack([e[j] for e in entries]) for j in range(len(anchor))]
     mean = [jnp.tensordot(w, s.astype(jnp.float32), axes=1).astype(a.dtype) for s, a in zip(stacked, anchor)]
     step, outer_state = outer_tx.update(mean, outer_state, anchor)
     return optax.apply_updates(list(anchor), step), outer_state
@@ -240,6 +245,7 @@ class Syncer:
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._rounds: list[_Round | None] = [None] * len(self._index)
         self._merge = jax.jit(lambda a, o, s, w: _merge(self._outer_tx, a, o, s, w))
+        self._sub = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
         self.merges: list[tuple[int, int, tuple[str, ...]]] = []
@@ -541,9 +547,8 @@ class Syncer:
         self._rounds[p] = None
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
-        weights = jnp.asarray([r.entries[k][0] for k in order], jnp.float32)
-        stacked = [jnp.stack([r.entries[k][1][j] for k in order]) for j in range(len(self._global[p]))]
-        new, outer_state = self._merge(self._global[p], self._outer[p], stacked, weights)
+        entries, weights = self._rows(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
+        new, outer_state = self._merge(self._global[p], self._outer[p], entries, weights)
         update = None
         if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
             update, new = self._encode_update(p, list(new))
@@ -563,10 +568,36 @@ class Syncer:
                 replies.append(Reply(k, p, self._version[p], values))
         return replies
 
+    def _rows(self, p: int, decoded: list, weights: list) -> tuple[list, np.ndarray]:
+        """The merge's rows: the contributions, then zero rows of weight 0 up to the learners' count."""
+        pad = max(0, len(self.learners) - len(decoded))
+        zeros = tuple(np.zeros(x.shape, x.dtype) for x in decoded[0])
+        return list(decoded) + [zeros] * pad, np.asarray(list(weights) + [0.0] * pad, np.float32)
+
+    def warm_up(self) -> None:
+        """Compile what receiving and merging run, for every fragment, on zeros; no state changes.
+
+        A merge otherwise compiles on first use, once per fragment (decoding, the merge, the reply
+        codec), inside the first round: every learner waiting for that round's reply waits for the
+        compiles too.  Call it before the learners start (a restart: before serving again).
+        """
+        with self._lock:
+            for p in range(self.fragments):
+                payload = tuple(np.zeros(x.shape, x.dtype) for x in self._spec[p])
+                decoded = tuple(wire.decoder(self._tx, self._like[p])(payload))
+                self._check_finite(decoded)
+                entries, weights = self._rows(p, [decoded], [1.0])
+                new, _ = self._merge(self._global[p], self._outer[p], entries, weights)
+                if self._reply_tx is not None:
+                    delta = self._sub(list(new), self._global[p])
+                    update = self._reply_encode(delta, self._reply_comm[p])[2]
+                    new = self._reply_apply[p](self._global[p], tuple(np.asarray(x) for x in update))
+                jax.block_until_ready(new)
+
     def _encode_update(self, p: int, new: list) -> tuple[tuple[np.ndarray, ...], list]:
         """The reply compressor's message of ``new - global`` and the global values it decodes to."""
         old = self._global[p]
-        delta = [n - o for n, o in zip(new, old)]
+        delta = self._sub(new, old)
         _, comm, payload, skipped = self._reply_encode(delta, self._reply_comm[p])
         if bool(skipped):  # a non-finite update (the guard skipped it): the message of zeros, nothing applied
             zeros = [jnp.zeros_like(o) for o in old]
