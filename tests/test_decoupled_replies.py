@@ -183,8 +183,8 @@ class Compiles:
 
 @pytest.mark.slow
 def test_after_warm_up_rounds_of_any_size_and_compressed_replies_compile_nothing():
-    """The syncer's warm_up compiles decoding, the merge (padded to the learners' count) and the reply codec;
-    it changes nothing; afterwards rounds of 1, 2 and 3 contributions compile nothing more."""
+    """The syncer's warm_up compiles decoding, the merge (summed one contribution at a time) and the reply codec;
+    it changes nothing; afterwards rounds of 1 to 3 contributions, and of 4 after a late join, compile nothing."""
     params0 = init_params()
     names = ["a", "b", "c"]
     s = Syncer(params0, learners=names, fragments=2, outer=optax.sgd(1.0), reply_compressor=cj.cast(jnp.bfloat16))
@@ -193,7 +193,9 @@ def test_after_warm_up_rounds_of_any_size_and_compressed_replies_compile_nothing
     for a, b in zip(before, jax.tree.leaves(s.state())):
         np.testing.assert_array_equal(a, np.asarray(b))
     with Compiles() as c:
-        for k, group in enumerate([["a"], ["a", "b"], ["a", "b", "c"]]):
+        for k, group in enumerate([["a"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]]):
+            if "d" in group:
+                s.register("d")  # a late join: more learners, no new program
             for p in range(2):
                 s.min_quorum = len(group)
                 size = s.payload_spec(p)[0].shape
@@ -202,7 +204,7 @@ def test_after_warm_up_rounds_of_any_size_and_compressed_replies_compile_nothing
                     h = Header(name, p, s.versions()[p], 8.0, k, (size,), ("<f4",), delta.nbytes)
                     replies = s.submit(Contribution(h, (delta,)))
                 assert len(replies) == len(group) and all(r.update is not None for r in replies)
-    assert s.versions() == [3, 3] and not s.refused
+    assert s.versions() == [4, 4] and not s.refused
     assert c.count == 0
 
 
@@ -230,3 +232,27 @@ def test_a_warmed_up_learner_compiles_nothing_when_it_sends_and_mixes_in_replies
         server.join(timeout=10)
     assert s.versions() == [3] and sum(len(d) for d in lrn.stats.delays) == 3
     assert c.count == 0
+
+
+def test_a_contribution_refused_one_merge_late_gets_the_last_update_and_its_learner_catches_up_bit_for_bit():
+    params0 = init_params()
+    reply = cj.cast(jnp.bfloat16)
+    transport = InProcessTransport(["a", "b"])
+    s = Syncer(params0, learners=["a", "b"], outer=optax.sgd(1.0), min_quorum=1, reply_compressor=reply)
+    inner = optax.sgd(LR)
+    a, b = (Learner(n, train_step_for(inner), params0, inner.init(params0), transport, sync_every=2,
+                    reply_compressor=reply) for n in ("a", "b"))
+    data = targets(2, 2)
+    for k, lrn in enumerate((a, b)):  # a's contribution merges alone (quorum 1); b's, from version 0, is late
+        for d in data:
+            lrn.step(jax.tree.map(lambda x: x[k], d), tokens=8)  # noqa: B023
+        for r in s.handle(transport.receive(timeout=30)):  # waits for the sender thread's contribution
+            transport.reply(r)
+    a.finish()
+    b.finish()
+    assert s.versions() == [1] and [x[2] for x in s.refused] == ["stale: staleness 1 > max_staleness 0"]
+    assert b.stats.refusals and b.versions() == [1]
+    for x, y in zip(b.anchor(0), s.fragment_values(0)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    size = sum(v.size for v in s.fragment_values(0))
+    assert s.reply_bytes == [2 * 2 * size]  # a's update and b's refusal: two bfloat16 messages

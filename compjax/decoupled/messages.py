@@ -107,8 +107,8 @@ class Reply:
 
     A merge comes back in one of two forms: ``values``, the whole global values (float32), or, when
     the syncer has a ``reply_compressor`` and the contributor's anchor is the version just before
-    this merge, ``update``: that compressor's encoded message of the outer update ``θ^g_p(version) −
-    θ^g_p(version − 1)``, which the learner decodes and adds to its anchor (bit-identical to the
+    this merge (or, for a refusal of a stale contribution, just before the current version), ``update``:
+    that compressor's encoded message of the outer update ``θ^g_p(version) − θ^g_p(version − 1)``, which the learner decodes and adds to its anchor (bit-identical to the
     syncer's global values: both apply the same decoded message, :func:`compjax.decoupled.wire.applier`).
 
     Attributes:

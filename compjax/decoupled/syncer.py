@@ -34,15 +34,14 @@ class _Round:
     entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
 
 
-def _merge(outer_tx, anchor, outer_state, entries, weights):
-    """Token-weighted mean of the contributions, then one outer step (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``).
+def _accumulate(acc, decoded, w):
+    """``acc + w * decoded`` leaf by leaf, in float32: one term of the token-weighted mean."""
+    return [a + w * d.astype(jnp.float32) for a, d in zip(acc, decoded)]
 
-    ``entries``: per row the decoded leaves of one contribution (rows of weight 0 are padding, so that the
-    program's shapes do not depend on how many learners contributed: one compile per fragment).
-    """
-    w = weights / jnp.sum(weights)
-    stacked = [jnp.stack([e[j] for e in entries]) for j in range(len(anchor))]
-    mean = [jnp.tensordot(w, s.astype(jnp.float32), axes=1).astype(a.dtype) for s, a in zip(stacked, anchor)]
+
+def _outer_step(outer_tx, anchor, outer_state, mean):
+    """One outer step from the mean outer gradient (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
+    mean = [m.astype(a.dtype) for m, a in zip(mean, anchor)]
     step, outer_state = outer_tx.update(mean, outer_state, anchor)
     return optax.apply_updates(list(anchor), step), outer_state
 
@@ -87,9 +86,11 @@ class Syncer:
     D(E(u_p))`` (:func:`compjax.decoupled.wire.applier`: one compiled program on
     both sides), so a learner that adds the same message to its anchor holds the
     syncer's global values bit for bit.  A contributor whose anchor is the version
-    just before the merge (staleness 0) gets the message (:attr:`Reply.update`);
-    any other reply (a stale contribution merged, a refusal, a join) carries the
-    whole float32 values.  The outer optimizer state follows the exact mean ``Δ̄_p``.
+    just before the merge (staleness 0) gets the message (:attr:`Reply.update`),
+    and so does the refusal of a contribution one merge behind (staleness 1 >
+    ``max_staleness``): the last merge's message brings its anchor to the current
+    values.  Any other reply (a staler contribution merged or refused, a join, the
+    first refusal after a restart) carries the whole float32 values.  The outer optimizer state follows the exact mean ``Δ̄_p``.
     Without ``reply_compressor`` (the default) every reply carries the whole
     float32 values, and the system computes :func:`compjax.diloco`'s global
     parameters as said below; with it, the global model differs from those by what
@@ -233,6 +234,7 @@ class Syncer:
         self._spec = [wire.payload_spec(self._tx, like) for like in self._like]  # what each fragment's message holds
         self._reply_tx = reply_compressor
         self._reply_comm: list = []
+        self._last_update: list = [None] * len(self._index)  # per fragment: (version, message) of its last merge
         self.reply_bytes = [0] * len(self._index)
         if reply_compressor is not None:
             self._reply_encode = wire.encoder(reply_compressor)
@@ -244,7 +246,10 @@ class Syncer:
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._rounds: list[_Round | None] = [None] * len(self._index)
-        self._merge = jax.jit(lambda a, o, s, w: _merge(self._outer_tx, a, o, s, w))
+        # The mean is summed one contribution at a time, so no program depends on how many contributed
+        # (or on how many learners there are: a late join compiles nothing).
+        self._accumulate = jax.jit(_accumulate)
+        self._outer_step = jax.jit(lambda a, o, m: _outer_step(self._outer_tx, a, o, m))
         self._sub = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
@@ -538,8 +543,13 @@ class Syncer:
         ok = (isinstance(h.fragment, (int, np.integer)) and not isinstance(h.fragment, bool)
               and 0 <= h.fragment < self.fragments)
         stale = why.startswith("stale")  # the learner catches up from the current global values
-        values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
         version = self._version[h.fragment] if ok else -1
+        last = self._last_update[h.fragment] if ok else None
+        if stale and last is not None and last[0] == version and h.base_version == version - 1:
+            # One merge behind: the last merge's compressed update brings its anchor to the current values.
+            self.reply_bytes[h.fragment] += last[2]
+            return [Reply(h.learner, int(h.fragment), version, None, accepted=False, reason=why, update=last[1])]
+        values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
         return [Reply(h.learner, int(h.fragment) if ok else -1, version, values, accepted=False, reason=why)]
 
     def _merge_round(self, p: int, why: str) -> list[Reply]:
@@ -547,13 +557,14 @@ class Syncer:
         self._rounds[p] = None
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
-        entries, weights = self._rows(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
-        new, outer_state = self._merge(self._global[p], self._outer[p], entries, weights)
+        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
         update = None
         if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
             update, new = self._encode_update(p, list(new))
         self._global[p], self._outer[p] = list(new), outer_state
         self._version[p] += 1
+        if update is not None:
+            self._last_update[p] = (self._version[p], update, self._reply_message_bytes)
         for k in names:
             self._last_merged[k][p] = self._version[p]
         self.merges.append((p, self._version[p], tuple(names)))
@@ -568,14 +579,20 @@ class Syncer:
                 replies.append(Reply(k, p, self._version[p], values))
         return replies
 
-    def _rows(self, p: int, decoded: list, weights: list) -> tuple[list, np.ndarray]:
-        """The merge's rows: the contributions, then zero rows of weight 0 up to the learners' count."""
-        pad = max(0, len(self.learners) - len(decoded))
-        zeros = tuple(np.zeros(x.shape, x.dtype) for x in decoded[0])
-        return list(decoded) + [zeros] * pad, np.asarray(list(weights) + [0.0] * pad, np.float32)
+    def _merge(self, p: int, decoded: list, weights: list) -> tuple[list, Any]:
+        """The token-weighted mean of ``decoded`` (in this order), then the outer step: new values and state."""
+        total = math.fsum(weights)
+        acc = [np.zeros(g.shape, np.float32) for g in self._global[p]]
+        for d, w in zip(decoded, weights):
+            acc = self._accumulate(acc, d, np.float32(w / total))
+        new, state = self._outer_step(self._global[p], self._outer[p], acc)
+        return list(new), state
 
     def warm_up(self) -> None:
         """Compile what receiving and merging run, for every fragment, on zeros; no state changes.
+
+        No program depends on the number of contributions or of learners, so nothing compiles later
+        (a late join included).
 
         A merge otherwise compiles on first use, once per fragment (decoding, the merge, the reply
         codec), inside the first round: every learner waiting for that round's reply waits for the
@@ -586,8 +603,7 @@ class Syncer:
                 payload = tuple(np.zeros(x.shape, x.dtype) for x in self._spec[p])
                 decoded = tuple(wire.decoder(self._tx, self._like[p])(payload))
                 self._check_finite(decoded)
-                entries, weights = self._rows(p, [decoded], [1.0])
-                new, _ = self._merge(self._global[p], self._outer[p], entries, weights)
+                new, _ = self._merge(p, [decoded], [1.0])
                 if self._reply_tx is not None:
                     delta = self._sub(list(new), self._global[p])
                     update = self._reply_encode(delta, self._reply_comm[p])[2]
@@ -683,6 +699,7 @@ class Syncer:
             self.learners = tuple(saved)
             self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
             self._rounds = [None] * self.fragments
+            self._last_update = [None] * self.fragments  # not checkpointed: stale learners get whole values
             now = time.monotonic()
             self._seen = {k: (now, time.time()) for k in saved}
             self._lost = set()
