@@ -360,7 +360,8 @@ def to_markdown(report: dict) -> str:
     lines = [(f"Decoupled DiLoCo vs lock-step Streaming DiLoCo: {s['learners']} learner processes and a syncer, "
              f"character transformer ({report['num_params']:,} parameters), {s['steps']} inner steps per learner "
              f"of {s['batch']} x {s['seq_len']} characters, H = {s['sync_every']}, {s['fragments']} fragments, "
-             f"{s['compressor']} outer gradients. Command: `{report['command']}` ({report['wall_s']:.0f} s; load "
+             f"{s['compressor']} outer gradients, the asynchronous rows' replies "
+             f"{s.get('reply_compressor', 'none')} (lock-step: whole float32 values). Command: `{report['command']}` ({report['wall_s']:.0f} s; load "
              f"average {report['provenance']['loadavg_start'][0]:.1f} at the start, "
              f"{report['provenance']['loadavg_end'][0]:.1f} at the end)."), "",
              "| target | measured | met |", "|---|---|---|"]
