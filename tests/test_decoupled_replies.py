@@ -82,7 +82,8 @@ def assert_bit_identical(syncer, learners):
                 assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32)), (lrn.name, p)
 
 
-@pytest.mark.parametrize("codec", ["bfloat16", pytest.param("e3m0", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["bfloat16", "e3m0"])
 def test_lockstep_learners_hold_the_syncer_global_bit_for_bit_and_the_replies_are_compressed(codec):
     P, H, steps = 2, 2, 8
     syncer, learners = run(steps, H, P, CODECS[codec](), wait=True)

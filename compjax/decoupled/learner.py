@@ -36,6 +36,18 @@ def _fold_keys(state: Any, index: int) -> Any:
     return jax.tree_util.tree_map_with_path(fold, state)
 
 
+@jax.jit
+def _delta(anchor, xs):
+    """The outer gradient ``anchor - x`` leaf by leaf, in the anchor's dtype."""
+    return [a - x.astype(a.dtype) for a, x in zip(anchor, xs)]
+
+
+@jax.jit
+def _mix(xs, new, a):
+    """Streaming DiLoCo's merge ``a x + (1 - a) new`` leaf by leaf, in the parameters' dtypes."""
+    return [(a * x.astype(g.dtype) + (1 - a) * g).astype(x.dtype) for x, g in zip(xs, new)]
+
+
 def default_worker_index(name: str) -> int:
     """The worker index of a learner named ``name`` when none is given: CRC-32 of its UTF-8 bytes, in [0, 2**31)."""
     return zlib.crc32(str(name).encode()) & 0x7FFFFFFF
@@ -244,9 +256,7 @@ class Learner:
         leaves = jax.tree.leaves(params)
         wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
         self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
-        self._delta = jax.jit(lambda anchor, xs: [a - x.astype(a.dtype) for a, x in zip(anchor, xs)])
-        self._mix = jax.jit(lambda xs, new, a: [(a * x.astype(g.dtype) + (1 - a) * g).astype(x.dtype)
-                                                for x, g in zip(xs, new)])
+        self._delta, self._mix = _delta, _mix  # one compiled program per shape for every learner of the process
         self._tx = wire.default_compressor() if compressor is None else compressor
         self._encode = wire.encoder(self._tx)
         self.worker_index = int(index)

@@ -39,6 +39,10 @@ def _accumulate(acc, decoded, w):
     return [a + w * d.astype(jnp.float32) for a, d in zip(acc, decoded)]
 
 
+_ACCUMULATE = jax.jit(_accumulate)  # shared by every syncer of the process: one compile per shape
+_SUB = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
+
+
 def _outer_step(outer_tx, anchor, outer_state, mean):
     """One outer step from the mean outer gradient (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
     mean = [m.astype(a.dtype) for m, a in zip(mean, anchor)]
@@ -248,9 +252,9 @@ class Syncer:
         self._rounds: list[_Round | None] = [None] * len(self._index)
         # The mean is summed one contribution at a time, so no program depends on how many contributed
         # (or on how many learners there are: a late join compiles nothing).
-        self._accumulate = jax.jit(_accumulate)
+        self._accumulate = _ACCUMULATE
         self._outer_step = jax.jit(lambda a, o, m: _outer_step(self._outer_tx, a, o, m))
-        self._sub = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
+        self._sub = _SUB
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
         self.merges: list[tuple[int, int, tuple[str, ...]]] = []
