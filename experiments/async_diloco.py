@@ -60,6 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "async_diloco"
 #: Compressors of the outer gradients, by name (built by :func:`make_compressor`).
 COMPRESSORS = ("chunktopk", "e3m0", "identity")
+#: Codecs of the syncer's replies, by name (built by :func:`make_reply_compressor`).
+REPLY_COMPRESSORS = ("none", "bfloat16", "e3m0")
 
 
 def say(*parts) -> None:
@@ -90,6 +92,29 @@ def make_compressor(name: str):
     if name == "identity":
         return cj.identity()
     raise ValueError(f"compressor must be one of {COMPRESSORS}, got {name!r}")
+
+
+def make_reply_compressor(name: str):
+    """The syncer's reply codec (``reply_compressor`` of the syncer and of every learner), or None.
+
+    ``none``: each merge comes back as the fragment's whole float32 values (what lock-step Streaming
+    DiLoCo's equivalence needs); ``bfloat16``: the merge's outer update as bfloat16 (2 bytes an entry);
+    ``e3m0``: the update as 4-bit E3M0 with the syncer's error feedback (about 4 bits an entry).
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    import jax.numpy as jnp
+
+    import compjax as cj
+
+    if name == "none":
+        return None
+    if name == "bfloat16":
+        return cj.cast(jnp.bfloat16)
+    if name == "e3m0":
+        return cj.e3m0()
+    raise ValueError(f"reply compressor must be one of {REPLY_COMPRESSORS}, got {name!r}")
 
 
 def load_tokens(args):
@@ -203,8 +228,7 @@ def run_syncer(args) -> dict:
 
         def reply(self, reply):
             carried["control"] += control_bytes("reply", reply)
-            if reply.values is not None:
-                carried["replies"] += nbytes(reply.values)
+            carried["replies"] += nbytes(reply.arrays())  # whole values or the compressed update
             self.inner.reply(reply)
 
     names = [learner_name(i) for i in range(args.learners)]
@@ -216,7 +240,9 @@ def run_syncer(args) -> dict:
                             grace_s=None if args.lockstep else args.grace_s,
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
-                            heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s)
+                            heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s,
+                            reply_compressor=make_reply_compressor(args.reply_compressor))
+    syncer.warm_up()  # the merges' compiles now, not inside the first rounds that every learner waits for
     transport = MultiProcessTransport.for_syncer(args.address, pull_timeout_s=args.pull_timeout_s)
     say(f"syncer bound {transport.address}")
     done = threading.Event()
@@ -246,6 +272,7 @@ def run_syncer(args) -> dict:
               "merges": [[p, v, list(k)] for p, v, k in syncer.merges], "refused": [list(r) for r in syncer.refused],
               "lost": [[n, t] for n, t in syncer.lost], "last_merged": syncer.last_merged(),
               "val_curve": curve, "val_loss": curve[-1]["val_loss"], "carried": carried, "started": t0,
+              "reply_compressor": args.reply_compressor, "reply_bytes_counted": list(syncer.reply_bytes),
               "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params)))}
     (out / "syncer.json").write_text(json.dumps(result, indent=1))
     say(f"syncer done: versions {syncer.versions()}, global validation loss {result['val_loss']:.4f}")
@@ -268,9 +295,10 @@ def control_bytes(kind: str, msg) -> int:
     else:
         frame = {"type": "reply", "learner": msg.learner, "fragment": msg.fragment, "version": msg.version,
                  "accepted": msg.accepted, "reason": msg.reason, "uuid": None}
-        if msg.values is not None:
-            frame.update(uuid=10**18, address="127.0.0.1:40000", shapes=[list(x.shape) for x in msg.values],
-                         dtypes=[x.dtype.str for x in msg.values])
+        arrays = msg.arrays()
+        if msg.values is not None or msg.update is not None:
+            frame.update(uuid=10**18, address="127.0.0.1:40000", shapes=[list(x.shape) for x in arrays],
+                         dtypes=[x.dtype.str for x in arrays], update=msg.values is None)
     return len(json.dumps(frame).encode())
 
 
@@ -311,7 +339,8 @@ def run_learner(args) -> dict:
     transport = MultiProcessTransport.for_learner(name, args.address)
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
-                      wait_for_merge=args.lockstep, late_reply=args.late_reply, reply_timeout_s=args.reply_timeout_s, worker_index=args.index)
+                      wait_for_merge=args.lockstep, late_reply=args.late_reply, reply_timeout_s=args.reply_timeout_s,
+                      worker_index=args.index, reply_compressor=make_reply_compressor(args.reply_compressor))
     learner.warm_up(batch(0))  # compile first, then join: the first contribution is fresh
     say(f"learner {name} compiled")
     wait_for(args.join_file)
@@ -368,7 +397,8 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--staleness-decay", str(args.staleness_decay), "--alpha", str(args.alpha), "--late-reply", args.late_reply,
          "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
-         "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s)]
+         "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s),
+         "--reply-compressor", args.reply_compressor]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.lockstep:
@@ -457,6 +487,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two sends of a fragment")
     ap.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's fragments (1: plain DiLoCo)")
     ap.add_argument("--compressor", choices=COMPRESSORS, default="chunktopk")
+    ap.add_argument("--reply-compressor", choices=REPLY_COMPRESSORS, default="none",
+                    help="the syncer's replies: whole float32 values (none) or each merge's update as bfloat16 or "
+                         "4-bit e3m0 with the syncer's error feedback (every learner stays bit-identical to the syncer)")
     ap.add_argument("--model", default="tiny", help="the character transformer's size (experiments.lm.model)")
     ap.add_argument("--batch", type=int, default=16, help="windows per learner per inner step")
     ap.add_argument("--seq-len", type=int, default=64, help="characters per window")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -41,6 +42,13 @@ def compressor(name):
     return cj.chunktopk(2, chunk=4, skip_nonfinite=False)
 
 
+def reply_compressor(name):
+    """The syncer's reply codec of a run: None (whole float32 values) or a compressor's name."""
+    if name is None:
+        return None
+    return cj.cast(jnp.bfloat16) if name == "bfloat16" else cj.e3m0()
+
+
 def save_params(path: Path, tree) -> None:
     np.savez(path, *[np.asarray(x) for x in jax.tree.leaves(tree)])
 
@@ -51,7 +59,8 @@ def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
     syncer = Syncer(init_params(), learners=run["learners"], fragments=run["P"],
                     compressor=compressor(run.get("comp", "identity")), min_quorum=run.get("min_quorum"),
                     grace_s=run.get("grace_s"), max_staleness=run.get("max_staleness", 0),
-                    heartbeat_timeout_s=run.get("heartbeat_timeout_s"))
+                    heartbeat_timeout_s=run.get("heartbeat_timeout_s"),
+                    reply_compressor=reply_compressor(run.get("reply")))
     ckpt = run.get("checkpoint")
     if run.get("restore_from"):
         say(f"restored step {syncer.restore(run['restore_from'])}")
@@ -79,6 +88,7 @@ def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
     server.join(timeout=30)
     transport.close()
     save_params(out / f"global_{run['name']}.npz", syncer.global_params())
+    save_params(out / f"fragments_{run['name']}.npz", [syncer.fragment_values(p) for p in range(syncer.fragments)])
     summary = {"merges": [[p, v, list(k)] for p, v, k in syncer.merges], "refused": syncer.refused,
                "lost": [name for name, _ in syncer.lost], "versions": syncer.versions(),
                "learners": list(syncer.learners), "last_merged": syncer.last_merged()}
@@ -101,7 +111,8 @@ def run_learner(run: dict, out: Path) -> None:
     transport = MultiProcessTransport.for_learner(name, run["address"])  # connected; joins after the warm-up
     lrn = Learner(name, train_step, params0, inner.init(params0), transport, sync_every=run["H"],
                   fragments=run["P"], compressor=compressor(run["comp"]), wait_for_merge=run.get("wait", True),
-                  reply_timeout_s=run.get("reply_timeout_s", 120), worker_index=index)
+                  reply_timeout_s=run.get("reply_timeout_s", 120), worker_index=index,
+                  reply_compressor=reply_compressor(run.get("reply")))
     data = targets(run["steps"], run["n"])
     lrn.warm_up(jax.tree.map(lambda x: x[index], data[0]))  # compile first, then join: the first send is fresh
     start = transport.join(timeout=run.get("join_timeout_s", 120))
@@ -118,6 +129,7 @@ def run_learner(run: dict, out: Path) -> None:
     lrn.finish()
     transport.close()
     save_params(out / f"learner_{run['name']}_{name}.npz", lrn.params)
+    save_params(out / f"anchor_{run['name']}_{name}.npz", [lrn.anchor(p) for p in range(lrn.fragments)])
     stats = {"sends": lrn.stats.sends, "refusals": lrn.stats.refusals, "delays": lrn.stats.delays,
              "count": lrn.count, "start_versions": list(start.versions)}
     (out / f"learner_{run['name']}_{name}.json").write_text(json.dumps(stats))

@@ -120,9 +120,14 @@ RUNS = [(P, H, steps, comp) for P, H, steps in [(1, 2, 6), (2, 4, 12)] for comp 
 
 def test_two_learner_processes_equal_diloco_in_one_spmd_program(tmp_path, procs):
     """min_quorum = both, no grace limit, waiting learners: the global parameters of cj.diloco under vmap (1e-5),
-    plain and streaming, identity and chunktopk; the four runs one after the other in the same three processes."""
+    plain and streaming, identity and chunktopk; the four runs one after the other in the same three processes.
+    A fifth run compresses the replies (bfloat16 updates): each learner's anchors equal the syncer's global
+    values bit for bit."""
     runs = [{"name": f"{comp}_P{P}", "P": P, "H": H, "steps": steps, "comp": comp, "versions": steps // H,
              "address": free_address()} for P, H, steps, comp in RUNS]
+    # Then the replies compressed to bfloat16 updates: every learner's anchor is the syncer's global, bit for bit.
+    runs.append({"name": "bf16_replies", "P": 2, "H": 4, "steps": 12, "comp": "chunktopk", "versions": 3,
+                 "reply": "bfloat16", "address": free_address()})
     base = {"out": str(tmp_path), "learners": ["l0", "l1"], "n": 2, "runs": runs}
     syncer = start(procs, "syncer", base, tmp_path / "syncer.log")
     syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
@@ -154,6 +159,20 @@ def test_two_learner_processes_equal_diloco_in_one_spmd_program(tmp_path, procs)
             mine = load(tmp_path / f"learner_{run['name']}_l{w}.npz")
             for a, b in zip(mine, jax.tree.leaves(hist[-1])):
                 np.testing.assert_allclose(a, b[w], rtol=1e-5, atol=1e-5, err_msg=run["name"])
+
+    run = runs[-1]
+    summary = json.loads((tmp_path / f"syncer_{run['name']}.json").read_text())
+    assert summary["versions"] == [3, 3] and not summary["refused"], summary
+    fragments = load(tmp_path / f"fragments_{run['name']}.npz")
+    for w in range(2):
+        anchors = load(tmp_path / f"anchor_{run['name']}_l{w}.npz")
+        assert len(anchors) == len(fragments) > 0
+        for a, b in zip(anchors, fragments):
+            assert a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    exact = load(tmp_path / f"fragments_{runs[3]['name']}.npz")  # the same run with float32 replies
+    assert not all(np.array_equal(a, b) for a, b in zip(fragments, exact))  # the replies were compressed
+    for a, b in zip(fragments, exact):
+        np.testing.assert_allclose(a, b, atol=0.02 * max(1.0, float(np.max(np.abs(b)))))
 
 
 def fault_config(tmp_path, **run) -> dict:

@@ -36,6 +36,18 @@ def _fold_keys(state: Any, index: int) -> Any:
     return jax.tree_util.tree_map_with_path(fold, state)
 
 
+@jax.jit
+def _delta(anchor, xs):
+    """The outer gradient ``anchor - x`` leaf by leaf, in the anchor's dtype."""
+    return [a - x.astype(a.dtype) for a, x in zip(anchor, xs)]
+
+
+@jax.jit
+def _mix(xs, new, a):
+    """Streaming DiLoCo's merge ``a x + (1 - a) new`` leaf by leaf, in the parameters' dtypes."""
+    return [(a * x.astype(g.dtype) + (1 - a) * g).astype(x.dtype) for x, g in zip(xs, new)]
+
+
 def default_worker_index(name: str) -> int:
     """The worker index of a learner named ``name`` when none is given: CRC-32 of its UTF-8 bytes, in [0, 2**31)."""
     return zlib.crc32(str(name).encode()) & 0x7FFFFFFF
@@ -93,7 +105,17 @@ class Learner:
 
         θ_p ← α θ_p + (1 − α) θ̃_p        (Streaming DiLoCo's merge; α = alpha)
 
-    and the delay (inner steps since the send) is recorded.  With
+    and the delay (inner steps since the send) is recorded.  A reply that carries
+    the syncer's compressed outer update instead of the values (the syncer's
+    ``reply_compressor``; :attr:`Reply.update <compjax.decoupled.Reply.update>`) is
+    decoded with this learner's ``reply_compressor`` and added to the anchor,
+    ``θ̃_p = θ^g_p + D(message)``, with the syncer's own program
+    (:func:`compjax.decoupled.wire.applier`): the anchor is then the syncer's global
+    value bit for bit.  Such an update starts from the version just before its
+    merge; should the anchor be at another version (it never is when the
+    contribution was taken from the anchor's version and nothing else moved it),
+    the reply is dropped with a warning and the anchor stays: the next
+    contribution is stale and its refusal brings the whole values.  With
     ``wait_for_merge=True`` the learner instead blocks after each send until the
     reply arrives and takes ``θ_p ← θ̃_p`` (plain DiLoCo and Streaming DiLoCo
     without overlap: with every learner waiting and a full quorum, the system
@@ -143,6 +165,8 @@ class Learner:
         default :func:`default_worker_index` of ``name`` (distinct names draw differently).
       start: a :class:`~compjax.decoupled.Start` to begin from (the fragments' global values
         and versions), or None to begin from ``params`` at version 0.
+      reply_compressor: the syncer's ``reply_compressor`` (the same compressor), or None when the
+        syncer sends whole values (a reply with an update is then dropped with a warning).
 
     Attributes:
       params: the current parameters (the pytree ``train_step`` moves).
@@ -197,6 +221,7 @@ class Learner:
         reply_timeout_s: float | None = None,
         worker_index: int | None = None,
         start: Start | None = None,
+        reply_compressor: optax.GradientTransformation | None = None,
     ):
         check_range("sync_every", sync_every, 1, None, integer=True, static=True)
         check_range("fragments", fragments, 1, None, integer=True, static=True)
@@ -209,6 +234,9 @@ class Learner:
         check_range("worker_index", index, 0, 2**31 - 1, integer=True, static=True)
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
             raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
+        if reply_compressor is not None and not isinstance(reply_compressor, optax.GradientTransformation):
+            raise ValueError("reply_compressor must be a compjax compressor (axis_name=None) or None, "
+                             f"got {reply_compressor!r}")
         if not callable(train_step):
             raise ValueError(f"train_step must be a callable (params, inner_state, batch) -> ..., got {train_step!r}")  # noqa: TRY004
         self.name = str(name)
@@ -228,6 +256,7 @@ class Learner:
         leaves = jax.tree.leaves(params)
         wide = lambda x: jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
         self._anchor = [[jnp.array(leaves[i], dtype=wide(leaves[i]), copy=True) for i in idx] for idx in self._index]
+        self._delta, self._mix = _delta, _mix  # one compiled program per shape for every learner of the process
         self._tx = wire.default_compressor() if compressor is None else compressor
         self._encode = wire.encoder(self._tx)
         self.worker_index = int(index)
@@ -237,6 +266,10 @@ class Learner:
             if wire.like_of(a) not in checked:
                 wire.check_capturable(self._tx, comm, wire.like_of(a))
                 checked.add(wire.like_of(a))
+        self._reply_tx = reply_compressor
+        if reply_compressor is not None:
+            self._reply_apply = [wire.applier(reply_compressor, wire.like_of(a)) for a in self._anchor]
+            self._reply_spec = [wire.payload_spec(reply_compressor, wire.like_of(a)) for a in self._anchor]
         self._version = [0] * len(self._index)
         if start is not None:
             self._begin_at(start)
@@ -257,7 +290,8 @@ class Learner:
         return list(self._version)
 
     def warm_up(self, batch: Any) -> None:
-        """Compile before joining: one ``train_step`` on the current state (its result discarded) and one encode.
+        """Compile before joining: one ``train_step`` on the current state (its result discarded), and per fragment
+        what a send and a reply run (the outer gradient, the encoder, the α mix, the reply codec's decoding).
 
         A learner that joins a running system should compile first and join after
         (:meth:`start_from`): its first contribution is then taken a few steps after the
@@ -266,8 +300,15 @@ class Learner:
         JAX step does not).
         """
         jax.block_until_ready(self._step_fn(self.params, self.inner_state, batch))
-        for p in range(self.fragments):
+        leaves = jax.tree.leaves(self.params)
+        for p in range(self.fragments):  # what a send and a reply run: the outer gradient, encoding, mixing
+            xs = [leaves[i] for i in self._index[p]]
+            jax.block_until_ready(self._delta(self._anchor[p], xs))
             jax.block_until_ready(self._encode([jnp.zeros_like(a) for a in self._anchor[p]], self._comm[p]))
+            jax.block_until_ready(self._mix(xs, self._anchor[p], self._alpha))
+            if self._reply_tx is not None:
+                zeros = tuple(np.zeros(x.shape, x.dtype) for x in self._reply_spec[p])
+                jax.block_until_ready(self._reply_apply[p](self._anchor[p], zeros))
 
     def start_from(self, start: Start) -> None:
         """Set every fragment's parameters, anchor and version to ``start``'s (a late join; see ``start=``).
@@ -294,6 +335,10 @@ class Learner:
             for i, g in zip(self._index[p], self._anchor[p]):
                 leaves[i] = jnp.asarray(g).astype(jnp.asarray(leaves[i]).dtype)
         self.params = jax.tree.unflatten(treedef, leaves)
+
+    def anchor(self, fragment: int) -> tuple[np.ndarray, ...]:
+        """The global values of ``fragment`` this learner holds (its anchor, at :meth:`versions`), NumPy copies."""
+        return tuple(np.array(a, copy=True) for a in self._anchor[fragment])
 
     def compressor_state(self, fragment: int) -> Any:
         """The compressor's state of ``fragment``: this learner's own (e.g. its error-feedback residual)."""
@@ -353,7 +398,7 @@ class Learner:
     def _send(self, p: int) -> None:
         self._check_sends()
         leaves = jax.tree.leaves(self.params)
-        delta = [a - jnp.asarray(leaves[i]).astype(a.dtype) for a, i in zip(self._anchor[p], self._index[p])]
+        delta = self._delta(self._anchor[p], [leaves[i] for i in self._index[p]])
         _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
         job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
                                   self._comm[p])
@@ -402,23 +447,43 @@ class Learner:
             self._deferred.discard(p)
             self._send(p)
 
+    def _update_problem(self, p: int, reply: Reply) -> str:
+        """Why the compressed update of ``reply`` cannot be applied to fragment ``p``'s anchor ('' if it can)."""
+        if self._reply_tx is None:
+            return "this learner has no reply_compressor (build it with the syncer's)"
+        if reply.version != self._version[p] + 1:
+            return f"it starts from version {reply.version - 1}, the anchor is at version {self._version[p]}"
+        got = tuple((np.shape(x), np.asarray(x).dtype) for x in reply.update)
+        want = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in self._reply_spec[p])
+        if got != want:
+            return f"its arrays {got} are not the reply compressor's message {want}"
+        return ""
+
     def _use(self, reply: Reply) -> None:
         p = reply.fragment
         sent_at = self._outstanding.pop(p, None)
         if not reply.accepted:
             self.stats.refusals.append((p, reply.reason))
             logger.warning("learner %r: the syncer refused fragment %r: %s", self.name, p, reply.reason)
-        if reply.values is None or not 0 <= p < self.fragments:
+        if not 0 <= p < self.fragments or (reply.values is None and reply.update is None):
             return
+        if reply.values is not None:
+            new = [jnp.asarray(v) for v in reply.values]
+        else:
+            why = self._update_problem(p, reply)
+            if why:
+                logger.warning("learner %r: dropped the merged update of fragment %d (version %d): %s",
+                               self.name, p, reply.version, why)
+                return
+            new = list(self._reply_apply[p](self._anchor[p], tuple(reply.update)))
         if sent_at is not None:
             self.stats.delays[p].append(self.count - sent_at)
-        new = [jnp.asarray(v) for v in reply.values]
         self._anchor[p] = new
         self._version[p] = int(reply.version)
         leaves, treedef = jax.tree.flatten(self.params)
+        xs = [jnp.asarray(leaves[i]) for i in self._index[p]]
         a = 0.0 if self._wait else self._alpha
-        for i, g in zip(self._index[p], new):
-            x = jnp.asarray(leaves[i])
-            merged = g if a == 0.0 else a * x.astype(g.dtype) + (1 - a) * g
-            leaves[i] = merged.astype(x.dtype)
+        merged = [g.astype(x.dtype) for x, g in zip(xs, new)] if a == 0.0 else self._mix(xs, new, a)
+        for i, m in zip(self._index[p], merged):
+            leaves[i] = m
         self.params = jax.tree.unflatten(treedef, leaves)

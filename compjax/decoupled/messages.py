@@ -105,14 +105,22 @@ class Contribution:
 class Reply:
     """The syncer's answer to a contribution: the fragment's global value after a merge, or a refusal.
 
+    A merge comes back in one of two forms: ``values``, the whole global values (float32), or, when
+    the syncer has a ``reply_compressor`` and the contributor's anchor is the version just before
+    this merge (or, for a refusal of a stale contribution, just before the current version), ``update``:
+    that compressor's encoded message of the outer update ``θ^g_p(version) − θ^g_p(version − 1)``, which the learner decodes and adds to its anchor (bit-identical to the
+    syncer's global values: both apply the same decoded message, :func:`compjax.decoupled.wire.applier`).
+
     Attributes:
       learner: the learner it goes to.
       fragment: the fragment index.
       version: the fragment's version after the merge (or, for a refusal, its current version).
       values: the fragment's global parameters (one NumPy array per leaf), or None when the refusal
-        carries none (a malformed contribution).
+        carries none (a malformed contribution) or the merge travels as ``update``.
       accepted: whether the contribution took part in this merge.
       reason: why it was refused ('' when accepted).
+      update: the payload arrays of the reply compressor's message of the outer update from
+        ``version - 1`` to ``version`` (as :func:`compjax.decoupled.wire.encoder` captures them), or None.
     """
 
     learner: str
@@ -121,6 +129,11 @@ class Reply:
     values: tuple[np.ndarray, ...] | None
     accepted: bool = True
     reason: str = ""
+    update: tuple[np.ndarray, ...] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays the reply carries: ``values``, else ``update``, else none."""
+        return self.values if self.values is not None else (self.update or ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ name.  Control messages are small JSON frames:
   the header, into buffers of the header's (checked) shapes and dtypes; a header it did not pull is
   answered by ``release``, on which the learner drops its offer.
 * ``reply`` (syncer -> learner): a :class:`~compjax.decoupled.Reply` without its arrays, plus the
-  transfer id under which the syncer offers them.
+  transfer id under which the syncer offers them (``"update": true`` when they are the compressed
+  update rather than the whole values).
 
 Arrays move with ``jax.experimental.transfer``: every process runs one transfer server on
 127.0.0.1; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
@@ -366,9 +367,11 @@ class MultiProcessTransport(Transport):
             self._release_last()  # a header refused before its pull: the learner drops its offer now
         msg = {"type": "reply", "learner": reply.learner, "fragment": reply.fragment, "version": reply.version,
                "accepted": reply.accepted, "reason": reply.reason, "uuid": None}
-        if reply.values is not None:
-            msg.update(uuid=_offer(reply.values), address=transfer_server().address(),
-                       shapes=[list(x.shape) for x in reply.values], dtypes=[x.dtype.str for x in reply.values])
+        arrays = reply.arrays()  # the whole values, or the compressed update (``"update": true``)
+        if reply.values is not None or reply.update is not None:
+            msg.update(uuid=_offer(arrays), address=transfer_server().address(),
+                       shapes=[list(x.shape) for x in arrays], dtypes=[x.dtype.str for x in arrays],
+                       update=reply.values is None)
         self._send_to(reply.learner.encode(), msg)
 
     # --- learner side -----------------------------------------------------------------------------------
@@ -499,8 +502,11 @@ class MultiProcessTransport(Transport):
         with self._offers_lock:  # this fragment's offers were pulled, or released before this reply
             for uuid in [u for u, o in self._offers.items() if o[2] == int(msg["fragment"])]:
                 del self._offers[uuid]
+        update = None
+        if msg.get("update"):
+            values, update = None, values
         return [Reply(self.name, int(msg["fragment"]), int(msg["version"]), values,
-                      accepted=bool(msg["accepted"]), reason=str(msg["reason"]))]
+                      accepted=bool(msg["accepted"]), reason=str(msg["reason"]), update=update)]
 
     def poll(self, learner: str, timeout: float | None = 0.0) -> Reply | None:
         """The next reply whose arrays are already local, waiting up to ``timeout`` seconds (None: forever).

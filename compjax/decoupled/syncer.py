@@ -20,7 +20,7 @@ import optax
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
 from compjax.decoupled import wire
-from compjax.decoupled.messages import Contribution, Header, Reply, Start
+from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.transport import Incoming, Transport
 
 logger = logging.getLogger("compjax.decoupled")
@@ -34,10 +34,18 @@ class _Round:
     entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
 
 
-def _merge(outer_tx, anchor, outer_state, stacked, weights):
-    """Token-weighted mean of the contributions, then one outer step (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
-    w = weights / jnp.sum(weights)
-    mean = [jnp.tensordot(w, s.astype(jnp.float32), axes=1).astype(a.dtype) for s, a in zip(stacked, anchor)]
+def _accumulate(acc, decoded, w):
+    """``acc + w * decoded`` leaf by leaf, in float32: one term of the token-weighted mean."""
+    return [a + w * d.astype(jnp.float32) for a, d in zip(acc, decoded)]
+
+
+_ACCUMULATE = jax.jit(_accumulate)  # shared by every syncer of the process: one compile per shape
+_SUB = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
+
+
+def _outer_step(outer_tx, anchor, outer_state, mean):
+    """One outer step from the mean outer gradient (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
+    mean = [m.astype(a.dtype) for m, a in zip(mean, anchor)]
     step, outer_state = outer_tx.update(mean, outer_state, anchor)
     return optax.apply_updates(list(anchor), step), outer_state
 
@@ -72,7 +80,25 @@ class Syncer:
         θ^g_p ← θ^g_p + OuterOpt(Δ̄_p)                (default Nesterov SGD, lr 0.7, momentum 0.9)
         v_p   ← v_p + 1
 
-    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).  The sum
+    and every contributor gets the new ``θ^g_p`` back (:class:`Reply`).
+
+    **Compressed replies** (``reply_compressor``, e.g. ``cj.cast(jnp.bfloat16)`` or
+    ``cj.e3m0()``, ``axis_name=None``): the merge's outer update ``u_p = θ^g_p(new)
+    − θ^g_p`` is encoded with that compressor (its state, e.g. an error-feedback
+    residual, is the syncer's, one per fragment) and the syncer applies to its own
+    global values exactly the decoded message it sends, ``θ^g_p ← θ^g_p +
+    D(E(u_p))`` (:func:`compjax.decoupled.wire.applier`: one compiled program on
+    both sides), so a learner that adds the same message to its anchor holds the
+    syncer's global values bit for bit.  A contributor whose anchor is the version
+    just before the merge (staleness 0) gets the message (:attr:`Reply.update`),
+    and so does the refusal of a contribution one merge behind (staleness 1 >
+    ``max_staleness``): the last merge's message brings its anchor to the current
+    values.  Any other reply (a staler contribution merged or refused, a join, the
+    first refusal after a restart) carries the whole float32 values.  The outer optimizer state follows the exact mean ``Δ̄_p``.
+    Without ``reply_compressor`` (the default) every reply carries the whole
+    float32 values, and the system computes :func:`compjax.diloco`'s global
+    parameters as said below; with it, the global model differs from those by what
+    the reply codec rounds (an error-feedback codec carries that into the next merge).  The sum
     runs over the contributions sorted by learner name, not in their order of
     arrival, so the merged values do not depend on which came first (bit for
     bit: two runs with the same rounds give the same global model).  With
@@ -121,6 +147,9 @@ class Syncer:
       staleness_decay: ``α >= 0`` of the weight ``e^{−α τ}`` of a stale contribution.
       heartbeat_timeout_s: seconds of silence after which a learner is lost, > 0; None
         (default) never declares one lost.
+      reply_compressor: a compjax compressor (``axis_name=None``) for the merged updates sent
+        back, or None (default) for whole float32 values; the learners must be built with the same
+        one (:class:`~compjax.decoupled.Learner`'s ``reply_compressor``).
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -128,6 +157,8 @@ class Syncer:
       merges: ``(fragment, version, learners)`` of every merge, in order.
       lost: ``(learner, last_seen)`` of every learner declared lost, in order; ``last_seen``
         is the wall-clock time of its last message (``time.time()`` seconds).
+      reply_bytes: per fragment, the bytes of the replies sent as compressed updates, summed over
+        their recipients (each the reply compressor's message size, :func:`message_bytes`).
 
     Raises:
       ValueError: any argument outside the ranges above, ``outer`` not an optax
@@ -168,6 +199,7 @@ class Syncer:
         max_staleness: int = 0,
         staleness_decay: float = 0.0,
         heartbeat_timeout_s: float | None = None,
+        reply_compressor: optax.GradientTransformation | None = None,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -185,6 +217,9 @@ class Syncer:
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
             raise ValueError(f"compressor must be a compjax compressor (axis_name=None) or None, got {compressor!r}")
+        if reply_compressor is not None and not isinstance(reply_compressor, optax.GradientTransformation):
+            raise ValueError("reply_compressor must be a compjax compressor (axis_name=None) or None, "
+                             f"got {reply_compressor!r}")
         self.learners = tuple(names)
         self.min_quorum = int(quorum)
         self.grace_s = None if grace_s is None else float(grace_s)
@@ -201,10 +236,25 @@ class Syncer:
         self._tx = wire.default_compressor() if compressor is None else compressor
         self._like = [wire.like_of(g) for g in self._global]
         self._spec = [wire.payload_spec(self._tx, like) for like in self._like]  # what each fragment's message holds
+        self._reply_tx = reply_compressor
+        self._reply_comm: list = []
+        self._last_update: list = [None] * len(self._index)  # per fragment: (version, message) of its last merge
+        self.reply_bytes = [0] * len(self._index)
+        if reply_compressor is not None:
+            self._reply_encode = wire.encoder(reply_compressor)
+            self._reply_apply = [wire.applier(reply_compressor, like) for like in self._like]
+            self._reply_comm = [reply_compressor.init(g) for g in self._global]
+            for like in dict.fromkeys(self._like):  # once per distinct fragment (it compiles the encoder)
+                wire.check_capturable(reply_compressor, reply_compressor.init(
+                    [jnp.zeros(sh, dt) for sh, dt in like]), like)
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._rounds: list[_Round | None] = [None] * len(self._index)
-        self._merge = jax.jit(lambda a, o, s, w: _merge(self._outer_tx, a, o, s, w))
+        # The mean is summed one contribution at a time, so no program depends on how many contributed
+        # (or on how many learners there are: a late join compiles nothing).
+        self._accumulate = _ACCUMULATE
+        self._outer_step = jax.jit(lambda a, o, m: _outer_step(self._outer_tx, a, o, m))
+        self._sub = _SUB
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
         self.merges: list[tuple[int, int, tuple[str, ...]]] = []
@@ -315,16 +365,20 @@ class Syncer:
         """The syncer's numeric state as a pytree (the arrays :meth:`save` writes).
 
         ``{"global": per fragment the list of global leaves, "outer": per fragment the outer
-        optimizer state, "version": int32 (fragments,)}``.  The learners and their last-merged
+        optimizer state, "version": int32 (fragments,)}``, and with a ``reply_compressor``
+        ``"reply"``: per fragment its state (e.g. the replies' error-feedback residual).  The learners and their last-merged
         counters (:meth:`last_merged`) are saved beside it, as the checkpoint's JSON metadata, so
         that a checkpoint taken after late joins restores into a syncer built with the original list.
         """
         with self._lock:
-            return {
+            out = {
                 "global": [list(g) for g in self._global],
                 "outer": list(self._outer),
                 "version": np.asarray(self._version, np.int32),
             }
+            if self._reply_tx is not None:
+                out["reply"] = list(self._reply_comm)
+            return out
 
     # --- contributions ------------------------------------------------------------------------------
 
@@ -493,8 +547,13 @@ class Syncer:
         ok = (isinstance(h.fragment, (int, np.integer)) and not isinstance(h.fragment, bool)
               and 0 <= h.fragment < self.fragments)
         stale = why.startswith("stale")  # the learner catches up from the current global values
-        values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
         version = self._version[h.fragment] if ok else -1
+        last = self._last_update[h.fragment] if ok else None
+        if stale and last is not None and last[0] == version and h.base_version == version - 1:
+            # One merge behind: the last merge's compressed update brings its anchor to the current values.
+            self.reply_bytes[h.fragment] += last[2]
+            return [Reply(h.learner, int(h.fragment), version, None, accepted=False, reason=why, update=last[1])]
+        values = tuple(np.array(x, copy=True) for x in self._global[h.fragment]) if ok and stale else None
         return [Reply(h.learner, int(h.fragment) if ok else -1, version, values, accepted=False, reason=why)]
 
     def _merge_round(self, p: int, why: str) -> list[Reply]:
@@ -502,17 +561,74 @@ class Syncer:
         self._rounds[p] = None
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
-        weights = jnp.asarray([r.entries[k][0] for k in order], jnp.float32)
-        stacked = [jnp.stack([r.entries[k][1][j] for k in order]) for j in range(len(self._global[p]))]
-        new, outer_state = self._merge(self._global[p], self._outer[p], stacked, weights)
+        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
+        update = None
+        if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
+            update, new = self._encode_update(p, list(new))
         self._global[p], self._outer[p] = list(new), outer_state
         self._version[p] += 1
+        if update is not None:
+            self._last_update[p] = (self._version[p], update, self._reply_message_bytes)
         for k in names:
             self._last_merged[k][p] = self._version[p]
         self.merges.append((p, self._version[p], tuple(names)))
         logger.info("merged fragment %d (version %d) from %s (%s)", p, self._version[p], ", ".join(names), why)
         values = tuple(np.array(x, copy=True) for x in new)
-        return [Reply(k, p, self._version[p], values) for k in names]
+        replies = []
+        for k in names:
+            if update is not None and r.entries[k][2] == 0:  # its anchor is the version before this merge
+                self.reply_bytes[p] += self._reply_message_bytes
+                replies.append(Reply(k, p, self._version[p], None, update=update))
+            else:
+                replies.append(Reply(k, p, self._version[p], values))
+        return replies
+
+    def _merge(self, p: int, decoded: list, weights: list) -> tuple[list, Any]:
+        """The token-weighted mean of ``decoded`` (in this order), then the outer step: new values and state."""
+        total = math.fsum(weights)
+        acc = [np.zeros(g.shape, np.float32) for g in self._global[p]]
+        for d, w in zip(decoded, weights):
+            acc = self._accumulate(acc, d, np.float32(w / total))
+        new, state = self._outer_step(self._global[p], self._outer[p], acc)
+        return list(new), state
+
+    def warm_up(self) -> None:
+        """Compile what receiving and merging run, for every fragment, on zeros; no state changes.
+
+        No program depends on the number of contributions or of learners, so nothing compiles later
+        (a late join included).
+
+        A merge otherwise compiles on first use, once per fragment (decoding, the merge, the reply
+        codec), inside the first round: every learner waiting for that round's reply waits for the
+        compiles too.  Call it before the learners start (a restart: before serving again).
+        """
+        with self._lock:
+            for p in range(self.fragments):
+                payload = tuple(np.zeros(x.shape, x.dtype) for x in self._spec[p])
+                decoded = tuple(wire.decoder(self._tx, self._like[p])(payload))
+                self._check_finite(decoded)
+                new, _ = self._merge(p, [decoded], [1.0])
+                if self._reply_tx is not None:
+                    delta = self._sub(list(new), self._global[p])
+                    update = self._reply_encode(delta, self._reply_comm[p])[2]
+                    new = self._reply_apply[p](self._global[p], tuple(np.asarray(x) for x in update))
+                jax.block_until_ready(new)
+
+    def _encode_update(self, p: int, new: list) -> tuple[tuple[np.ndarray, ...], list]:
+        """The reply compressor's message of ``new - global`` and the global values it decodes to."""
+        old = self._global[p]
+        delta = self._sub(new, old)
+        _, comm, payload, skipped = self._reply_encode(delta, self._reply_comm[p])
+        if bool(skipped):  # a non-finite update (the guard skipped it): the message of zeros, nothing applied
+            zeros = [jnp.zeros_like(o) for o in old]
+            payload = self._reply_encode(zeros, self._reply_tx.init(zeros))[2]
+            logger.warning("fragment %d: the merged update is not finite; the global values stay", p)
+        else:
+            self._reply_comm[p] = comm
+        update = tuple(np.asarray(x) for x in payload)
+        # The compressor's own count (equal to the arrays' bytes: checked when the syncer was built).
+        self._reply_message_bytes = sum(int(x.nbytes) for x in update) if bool(skipped) else message_bytes(comm)
+        return update, list(self._reply_apply[p](old, update))
 
     # --- running and checkpoints --------------------------------------------------------------------
 
@@ -581,10 +697,13 @@ class Syncer:
                                  f"with learners from the checkpoint's list (later ones join with register)")
             self._global = [list(g) for g in state["global"]]
             self._outer = list(state["outer"])
+            if self._reply_tx is not None:
+                self._reply_comm = list(state["reply"])
             self._version = [int(v) for v in np.asarray(state["version"])]
             self.learners = tuple(saved)
             self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
             self._rounds = [None] * self.fragments
+            self._last_update = [None] * self.fragments  # not checkpointed: stale learners get whole values
             now = time.monotonic()
             self._seen = {k: (now, time.time()) for k in saved}
             self._lost = set()

@@ -142,6 +142,29 @@ def decoder(compressor: optax.GradientTransformation, like: Like) -> Callable:
     return jax.jit(decode)
 
 
+@functools.cache
+def applier(compressor: optax.GradientTransformation, like: Like) -> Callable:
+    """``(old, payload) -> new``: ``old + decoded`` leaf by leaf, the decoding of :func:`decoder`, in one jitted program.
+
+    The syncer's compressed replies (:class:`~compjax.decoupled.Syncer`'s ``reply_compressor``):
+    the syncer applies to its global values exactly what a learner applies to its anchor, with the
+    same compiled program, so the two stay bit-identical (float32 additions of the same operands).
+    ``old``: the leaves of ``like`` (float32 or wider); ``payload``: :func:`payload_spec`'s arrays.
+    """
+    full = _full_spec(compressor, like)
+
+    def apply(old, payload):
+        given = iter(payload)
+        arrays = [jax.lax.bitcast_convert_type(next(given), s.dtype) if s.size else jnp.zeros(s.shape, s.dtype)
+                  for s in full]
+        zeros = [jnp.zeros(s, jnp.dtype(d)) for s, d in like]
+        with collectives.replay(arrays):
+            decoded, _ = compressor.update(zeros, compressor.init(zeros))
+        return [jnp.asarray(o) + d.astype(jnp.asarray(o).dtype) for o, d in zip(old, decoded)]
+
+    return jax.jit(apply)
+
+
 def describe(compressor: Any) -> str:
     """A name for ``compressor`` in messages: the type of its state (``TopkState``; a chain's, joined) or its repr."""
     try:

@@ -16,7 +16,9 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
 * **async**: the asynchronous system: sends overlap the next inner steps, ``min_quorum`` = 3 of 4, a
   2 s grace window (about a third of the time between two sends of a fragment here), ``max_staleness``
   0 (a contribution that missed its round is refused; the refusal carries the merged values, which the
-  learner mixes in), ``alpha`` 0.5, ``late_reply="wait"`` (a fragment due again before its merge came
+  learner mixes in), replies compressed (``--reply-compressor bfloat16``: each merge's outer update as
+  bfloat16, which the syncer applies to its own global values exactly as sent, so every learner stays
+  bit-identical to it; lock-step rows keep whole float32 replies), ``alpha`` 0.5, ``late_reply="wait"`` (a fragment due again before its merge came
   back waits for it: with ``"defer"`` a trial run kept 84-87% goodput at 10 Mbit/s but merged fewer rounds,
   20 of 24, and its global loss was 8% above lock-step's);
 * both at 10 and 100 Mbit/s;
@@ -91,7 +93,7 @@ RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
 #: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
 FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
         "seq_len": 64, "grace_s": 2.0, "max_staleness": 0, "staleness_decay": 0.0, "alpha": 0.5,
-        "late_reply": "wait",
+        "late_reply": "wait", "reply_compressor": "bfloat16",
         "heartbeat_timeout_s": 5.0,
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
@@ -144,6 +146,8 @@ def _free_address() -> str:
 def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -> dict:
     """One row: start the syncer and the learners, baseline, train, collect; the raw measurements."""
     out = row_dir(work, name)
+    if mode == "lockstep":  # whole float32 replies: the settings that compute cj.diloco's global parameters
+        settings = {**settings, "reply_compressor": "none"}
     n, steps = settings["learners"], settings["steps"]
     bits = RATES[rate]
     shaped = args.shape and bits is not None
@@ -284,6 +288,8 @@ def summarize(row: dict) -> dict:
         "lost": [n for n, _ in row["syncer"]["lost"]],
         "lost_running": lost_while_running(row),
         "counted_bytes": sum(sum(r["bytes_sent"]) for r in live),
+        "reply_compressor": s.get("reply_compressor", "none"),
+        "replies_counted": sum(row["syncer"].get("reply_bytes_counted", [])),
         "contributions_carried": c["contributions"], "replies_carried": c["replies"],
         "carried_bytes": carried, "control_bytes": c["control"],
         "delay_mean": statistics.fmean([d for r in live for f in r["delays"] for d in f] or [0]),
@@ -354,15 +360,17 @@ def to_markdown(report: dict) -> str:
     lines = [(f"Decoupled DiLoCo vs lock-step Streaming DiLoCo: {s['learners']} learner processes and a syncer, "
              f"character transformer ({report['num_params']:,} parameters), {s['steps']} inner steps per learner "
              f"of {s['batch']} x {s['seq_len']} characters, H = {s['sync_every']}, {s['fragments']} fragments, "
-             f"{s['compressor']} outer gradients. Command: `{report['command']}` ({report['wall_s']:.0f} s; load "
+             f"{s['compressor']} outer gradients, the asynchronous rows' replies "
+             f"{s.get('reply_compressor', 'none')} (lock-step: whole float32 values). Command: `{report['command']}` ({report['wall_s']:.0f} s; load "
              f"average {report['provenance']['loadavg_start'][0]:.1f} at the start, "
              f"{report['provenance']['loadavg_end'][0]:.1f} at the end)."), "",
              "| target | measured | met |", "|---|---|---|"]
     for t in report["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
     lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
-              "refused | lost while running | counted MB | carried MB | kernel MB | kernel / (carried + framing) | wall s |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "refused | lost while running | counted MB | replies | replies MB (counted as updates) | carried MB | kernel MB | "
+              "kernel / (carried + framing) | wall s |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         ratio = f"{r['kernel_ratio']:.3f}" if "kernel_ratio" in r else ""
         lines.append(
@@ -370,12 +378,17 @@ def to_markdown(report: dict) -> str:
             f"{r['drain_s_mean']:.1f} | {r['tokens_per_s_mean']:,.0f} | "
             f"{r['tokens']:,} | {r['val_loss']:.4f} | {r['merges']} | {r['refused']} | "
             f"{', '.join(r.get('lost_running', r['lost'])) or '-'} | "
-            f"{_mb(r['counted_bytes'])} | {_mb(r['carried_bytes'])} | {_mb(r.get('kernel_bytes'))} | {ratio} | "
+            f"{_mb(r['counted_bytes'])} | {r.get('reply_compressor', 'none')} | {_mb(r.get('replies_carried'))} "
+            f"({_mb(r.get('replies_counted', 0))}) | "
+            f"{_mb(r['carried_bytes'])} | {_mb(r.get('kernel_bytes'))} | {ratio} | "
             f"{r['duration_s']:.0f} |")
     lines += ["", ("Goodput: the fraction of a learner's wall time from its first to its last inner step spent inside them "
               "(with drain: counting the final wait for the replies in flight too; the straggler row: the other "
               "learners; the fault row: the learners that ran to the end, the joiner left out). Counted: the "
-              "compressor's message bytes of every contribution (`compjax.decoupled.message_bytes`). Carried: the "
+              "compressor's message bytes of every contribution (`compjax.decoupled.message_bytes`). Replies: the "
+              "syncer's reply codec (none: whole float32 values; e3m0 / bfloat16: each merge's update so encoded "
+              "for the contributors at staleness 0, whole values otherwise), the bytes of every reply carried and, "
+              "in brackets, those counted by the reply codec for the updates (`Syncer.reply_bytes`). Carried: the "
               "arrays the transport moved (contributions pulled, replies and welcomes, offers handed back). Kernel: "
               "`tc`'s count over the training less an idle baseline; framing = 66 header bytes per packet counted.")]
     for r in report["raw"]:
