@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import bytecount, collectives, layout
+from compjax import accounting, bytecount, collectives, layout
 from compjax._checks import check_range
 from compjax.collectives import AxisName
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
@@ -421,8 +421,9 @@ def diloco(
             new, o_st, c_st = exchange(sent(anchor, own), anchor, outer_state, comm_state, dims)
             return collectives.match_varying((new, o_st, c_st, ups(new, own)), carry)
 
-        new, o_st, c_st, own = jax.lax.fori_loop(0, due.astype(jnp.int32), body,
-                                                 (list(anchor), outer_state, comm_state, list(own)))
+        with jax.named_scope(accounting.BRANCH_LOOP_SCOPE):  # the audit counts the loop's collectives as a branch
+            new, o_st, c_st, own = jax.lax.fori_loop(0, due.astype(jnp.int32), body,
+                                                     (list(anchor), outer_state, comm_state, list(own)))
         quiet = silenced(c_st)  # the same leaves but payload_bytes: 0 when nothing was sent
         c_st = jax.tree.map(lambda x, q: x if x is q else jnp.where(due, x, q), c_st, quiet)
         return new, o_st, c_st, own
