@@ -104,7 +104,8 @@ class Collective(NamedTuple):
         ``(name:name:...)`` op name or from the ``get-tuple-element`` that
         replaced each original).
       branch: where the collective sits among the program's conditionals
-        (``lax.cond``/``lax.switch``, e.g. DiLoCo's sync and no-sync steps): one
+        (``lax.cond``/``lax.switch``, and loops of 0 or 1 trip made under
+        :data:`BRANCH_LOOP_SCOPE`, e.g. DiLoCo's sync and no-sync steps): one
         ``(conditional instruction, branch index)`` pair per enclosing
         conditional, outermost first; ``()`` outside any.  A program runs one
         branch of each conditional per step: :func:`worker_bytes` adds the
@@ -634,6 +635,9 @@ def _collectives_of_hlo(text: str) -> list[Collective]:
     return _flag_dense_gradients(out, _grads_bytes(text))
 
 
+#: Name scope of a loop that runs 0 or 1 times on a runtime condition (:func:`compjax.diloco`'s synchronizations,
+#: a ``lax.cond`` that updates its state in place): the audit takes its body as the one branch of a conditional.
+BRANCH_LOOP_SCOPE = "compjax_branch_loop"
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _CALLS_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 
@@ -645,7 +649,9 @@ def _branches_of_hlo(text: str) -> dict[str, tuple]:
     outermost first (``()`` outside any conditional).  Branches are read from
     ``branch_computations={%a, %b}`` (``lax.switch``, and ``lax.cond`` with
     an integer index) and ``true_computation=``/``false_computation=`` (a
-    boolean predicate: branch 0 is the true one); a computation called from
+    boolean predicate: branch 0 is the true one); the body of a loop made
+    under the name scope :data:`BRANCH_LOOP_SCOPE` (0 or 1 trip) is branch 0
+    of that loop; a computation called from
     another (fusions, loops, reductions) inherits its caller's branches.
     """
     where: dict[str, str] = {}  # instruction -> its computation
@@ -663,6 +669,8 @@ def _branches_of_hlo(text: str) -> dict[str, tuple]:
         if (bm := re.search(r"branch_computations=\{([^}]*)\}", line)):
             for i, c in enumerate(re.findall(r"%?([\w.\-]+)", bm.group(1))):
                 parent.setdefault(c, (current, ((name, i),)))
+        if (wm := re.search(r"\bbody=%?([\w.\-]+)", line)) and f"/{BRANCH_LOOP_SCOPE}/" in line:
+            parent.setdefault(wm.group(1), (current, ((name, 0),)))  # a loop of 0 or 1 trip: a branch
         for kind, index in (("true_computation", 0), ("false_computation", 1)):
             if (tm := re.search(rf"\b{kind}=%?([\w.\-]+)", line)):
                 parent.setdefault(tm.group(1), (current, ((name, index),)))
@@ -830,7 +838,8 @@ def worker_bytes(ops: list[Collective], mesh: Any = None, axis_name: str = "data
     the slow link.  This puts the audit in that unit: the operand bytes of the
     collectives that run over ``axis_name``, times the devices of one worker
     (``fast``; 1 on a 1-D mesh), each of which sends its part.  Collectives
-    inside conditionals (``lax.cond``: DiLoCo's sync and no-sync steps,
+    inside conditionals (``lax.cond``, or a loop of 0 or 1 trip under
+    :data:`BRANCH_LOOP_SCOPE`: DiLoCo's sync and no-sync steps,
     delayed averaging's exchange) count the largest branch of each, so the
     result is that of a step that sends; on a step that sends nothing,
     ``payload_bytes`` reads 0.

@@ -132,9 +132,11 @@ SIZES: dict[str, dict] = {
     "125M": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024, "groups": 1},
     "1B": {"d_model": 2048, "n_layers": 18, "n_heads": 16, "seq_len": 1024, "groups": 1},
     "8B": {"d_model": 4096, "n_layers": 38, "n_heads": 32, "seq_len": 1024, "groups": 2},
-    # The 70B class: 64,965,722,112 parameters (80 layers of d 8192, as Llama-2-70B's depth and width); one
-    # group (its MLP kernels stack to 21.5e9 entries): for the methods without flat int32 indices.
-    "70B": {"d_model": 8192, "n_layers": 80, "n_heads": 64, "seq_len": 1024, "groups": 1},
+    # The 70B class: 64,965,722,112 parameters (80 layers of d 8192, as Llama-2-70B's depth and width); four
+    # groups of 20 blocks, so that Streaming DiLoCo's 4 fragments each take one (with one group, one fragment
+    # held all 80 blocks and synchronized 98% of the model at once); its MLP kernels still stack to 5.4e9
+    # entries: for the methods without flat int32 indices.
+    "70B": {"d_model": 8192, "n_layers": 80, "n_heads": 64, "seq_len": 1024, "groups": 4},
     # For tests: about a second per compile on CPU.
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64, "groups": 1},
 }
@@ -201,9 +203,12 @@ def init_shapes(vocab: int, *, d_model: int, n_layers: int, n_heads: int, seq_le
     Stacking keeps the compiled step's size (and its compile time) independent
     of the depth; groups keep every leaf under 2**31 elements where a method
     needs it (top-k's and DGC's int32 indices into a flattened layer: see
-    :data:`FLAT_INDEX_METHODS`).  Groups cost compile time (the 8B model in 19
-    groups took 16x longer to compile than in 2), so the 70B class is one group
-    and runs only the methods without flat indices.
+    :data:`FLAT_INDEX_METHODS`) and split the blocks into Streaming DiLoCo's
+    fragments (one group per fragment: :func:`compjax.algorithms.fragment_assignment`
+    strides numbered layers, here the groups, over the fragments).  Groups cost
+    compile time (the 8B model in 19 groups took 16x longer to compile than in
+    2), so the 70B class is 4 groups (one per fragment) and runs only the
+    methods without flat indices.
 
     Raises:
       ValueError: ``groups`` does not divide ``n_layers``.
