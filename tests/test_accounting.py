@@ -72,6 +72,7 @@ def test_payload_bytes_equals_audited_bytes(mesh, name):
     assert np.all(np.isfinite(np.asarray(loss)))
 
 
+@pytest.mark.slow  # compiles and audits several steps (about 20 s)
 def test_compression_shows_in_audited_bytes(mesh):
     params = init_params()
     batch = batch_data(mesh)

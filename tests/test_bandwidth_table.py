@@ -126,6 +126,7 @@ def test_committed_table_matches_the_definitions():
     assert dense == {m["label"]: 4 * FULL_COUNTS[m["definition"]] for m in CONFIG.models}
 
 
+@pytest.mark.slow  # builds every model family (about 14 s)
 def test_the_model_families_run_forward():
     """Small members of each family run (projection shortcuts, bottlenecks, shifted and unshifted windows)."""
     from flax import nnx

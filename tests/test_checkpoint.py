@@ -76,6 +76,7 @@ TINY = ["--compressor", "powersgd", "--rank", "2", "--epochs", "2", "--train-lim
         "--no-progress"]
 
 
+@pytest.mark.slow  # two runs of the main job (about 30 s)
 def test_main_job_resumes_bit_exact_and_refuses_another_run(tmp_path):
     """Stopped at step 3 (mid-epoch 1) and resumed from --checkpoint-dir == never stopped, records included."""
     from experiments import train

@@ -73,6 +73,7 @@ TINY = ["--compressor", "topk", "--ratio", "0.05", "--epochs", "1", "--train-lim
         "--batch-size", "64", "--no-progress"]
 
 
+@pytest.mark.slow  # two runs of the main job (about 20 s)
 def test_poisoned_step_is_skipped_like_a_dropped_batch(tmp_path, capsys):
     """A NaN in one worker's batch at step 2 ends exactly like a run that drops step 2's batch."""
     poisoned = train.main(TINY + ["--max-steps", "5", "--poison-step", "2", "--poison-worker", "3",
