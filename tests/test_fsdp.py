@@ -143,6 +143,37 @@ def test_a_donated_sharded_step_updates_its_state_in_place_and_equals_the_undona
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_donated_sharded_diloco_step_updates_the_inner_adamw_moments_in_place(overlap):
+    """DiLoCo skipping non-finite inner steps (the default), sharded and donated: the compiled program copies no
+    inner AdamW moment (the skip is a loop of 0 or 1 trip that writes the new moments over the old ones, which the
+    updates then read; a selection after the step had XLA copy every moment), and a step equals the undonated one."""
+    import re
+
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    params = mlp(np.random.default_rng(0), d=64, h=256, o=32)
+    tx = cj.diloco(optax.adamw(1e-2, weight_decay=0.1), sync_every=4, fragments=2, overlap=overlap, axis_name="data")
+    specs = parallel.fsdp_specs(params, mesh, min_size=1024)
+    rng = np.random.default_rng(1)
+    batch = parallel.shard_batch((rng.normal(size=(4 * SLOW * FAST, 64)).astype(np.float32),
+                                  rng.normal(size=(4 * SLOW * FAST, 32)).astype(np.float32)), mesh, fast_axis="fast")
+    out = {}
+    for donate in (False, True):
+        p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
+        step = parallel.data_parallel_step(mlp_loss, tx, mesh, specs=specs, donate=donate)
+        if donate:
+            text = step.lower(p, s, batch).compile().as_text()
+            moments = {m.group(1) for m in re.finditer(r"%(param[.\d]*) = [^\n]*op_name=\"[^\"\n]*\.(?:mu|nu)\[", text)}
+            assert len(moments) >= 8, sorted(moments)  # w1, b1, w2, b2: mu and nu
+            copied = sorted(set(re.findall(r"copy\(%(param[.\d]*)\)", text)) & moments)
+            assert not copied, f"inner AdamW moments copied instead of updated in place: {copied}"
+        p, s, loss = step(p, s, batch)
+        out[donate] = (p, s, loss)
+    for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _nan_batch(rng, host, device, column):
     """A batch whose rows on (host, device) hold a NaN in one input ``column``: with :func:`lin_loss` the gradient
     of ``w``'s row ``column`` (in one fast shard) is NaN on that host only, every other entry finite."""

@@ -144,6 +144,42 @@ def _settled(tree: Any, count: jnp.ndarray) -> Any:
     return jax.lax.fori_loop(0, trips, body, tree)
 
 
+def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any) -> tuple:
+    """``step(old, tied)`` (a pair: updates, new state) unless ``bad``, else zero updates and ``old``, bit for bit.
+
+    ``(updates, new_state)`` is the step traced once outside (for their types only: XLA drops it).  The
+    step runs in a loop of ``1 - bad`` trips (0 or 1, the same on a host's devices) carrying zero updates
+    and the state, not as a selection after it: the new state is then written once, in place over the old
+    (donated) one, and the updates read it.  (``where(bad, old, new)`` after the step has two passes read
+    the old state, the updates and the selection, one of them writing it in place, and XLA copied every
+    old AdamW moment: 8B model, 2 x 4 mesh, sharded Streaming DiLoCo, 8.5 GiB of temporaries.)  ``step``
+    reads its closed-over inputs (gradients, parameters) through ``tied`` (the same values, selected on
+    the loop's index), so that XLA does not hoist what it computes from them out of the loop, where each
+    would be a buffer of its own.  Floating-point update leaves ride the loop; the others are selected
+    after it.
+    """
+    u_leaves, u_def = jax.tree.flatten(updates)
+    rides = [jnp.issubdtype(jnp.result_type(u), jnp.inexact) for u in u_leaves]
+    zeros = [collectives.like_varying(jnp.zeros_like(u), u) for u, r in zip(u_leaves, rides) if r]
+    new_types = jax.tree.leaves(new_state)
+    o_leaves, o_def = jax.tree.flatten(old)
+    init = (zeros, jax.tree.unflatten(o_def, [collectives.like_varying(o, n) for o, n in zip(o_leaves, new_types)]))
+
+    def body(i, carry):
+        def tied(tree):  # the same values, read as the loop's (no pass computed from them leaves the loop)
+            return jax.tree.map(lambda x: jnp.where(i < 0, jnp.zeros_like(x), x)
+                                if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x, tree)
+
+        u, st = step(carry[1], tied)
+        u = jax.tree.leaves(u)
+        return collectives.match_varying(([x for x, r in zip(u, rides) if r], st), carry)
+
+    ridden, new = jax.lax.fori_loop(0, 1 - bad.astype(jnp.int32), body, init)
+    it = iter(ridden)
+    out = [next(it) if r else jnp.where(bad, jnp.zeros_like(u), u) for u, r in zip(u_leaves, rides)]
+    return jax.tree.unflatten(u_def, out), new
+
+
 def fragment_assignment(params: Any, fragments: int, assignment: Any = None) -> list[list[int]]:
     """Which leaves of ``params`` each fragment holds (indices into ``jax.tree.leaves(params)``).
 
@@ -441,8 +477,8 @@ def diloco(
             checked = [g for g in jax.tree.leaves(grads) if is_compressible(g)]
             bad = any_nonfinite(checked) if checked else jnp.bool_(False)
             bad = collectives.any_over_fast(bad)  # sharded parameters: one host's shards skip together
-            updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
-            inner_state = jax.tree.map(lambda n, o: jnp.where(bad, o, n), inner_state, state.inner)
+            updates, inner_state = _unless(bad, lambda st, tied: inner_tx.update(tied(grads), st, tied(params), **extra_args),
+                                           updates, inner_state, state.inner)
             skipped = skipped + bad.astype(jnp.int32)
         if tau == 0:  # (with an overlap the compiled step grew with it instead: 8B model, 2 x 4 mesh, sharded)
             inner_state = _settled(inner_state, state.count)
