@@ -16,6 +16,7 @@ from compjax import accounting, bytecount, collectives, layout
 from compjax._checks import check_range
 from compjax.collectives import AxisName
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
+from compjax.compressors.chains import holds_exchange
 from compjax.compressors.identity import identity
 
 _LOG = logging.getLogger("compjax")
@@ -411,6 +412,9 @@ def diloco(
     inner_tx = optax.with_extra_args_support(optax.masked(inner, lambda tree: jax.tree.map(_is_float_leaf, tree)))
     outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     comm_tx = identity(axis_name, skip_nonfinite=False) if compressor is None else compressor
+    # An inner optimizer holding a compjax compressor may run collectives across workers, whose skip flags
+    # differ: its step then runs on every worker and the skip selects after it (not in a loop of 0 or 1 trips).
+    inner_exchanges = holds_exchange(inner)
 
     def wide(x):
         return jnp.promote_types(x.dtype, jnp.float32)
@@ -477,8 +481,13 @@ def diloco(
             checked = [g for g in jax.tree.leaves(grads) if is_compressible(g)]
             bad = any_nonfinite(checked) if checked else jnp.bool_(False)
             bad = collectives.any_over_fast(bad)  # sharded parameters: one host's shards skip together
-            updates, inner_state = _unless(bad, lambda st, tied: inner_tx.update(tied(grads), st, tied(params), **extra_args),
-                                           updates, inner_state, state.inner)
+            if inner_exchanges:  # its collectives must run on every worker, skipped or not: select after it
+                updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
+                inner_state = jax.tree.map(lambda n, o: jnp.where(bad, o, n), inner_state, state.inner)
+            else:
+                updates, inner_state = _unless(
+                    bad, lambda st, tied: inner_tx.update(tied(grads), st, tied(params), **extra_args),
+                    updates, inner_state, state.inner)
             skipped = skipped + bad.astype(jnp.int32)
         if tau == 0:  # (with an overlap the compiled step grew with it instead: 8B model, 2 x 4 mesh, sharded)
             inner_state = _settled(inner_state, state.count)
