@@ -26,8 +26,7 @@ import numpy as np
 import optax
 
 import compjax as cj
-from compjax.decoupled import Contribution, Header, Learner, MultiProcessTransport, Syncer
-from compjax.decoupled import multiprocess
+from compjax.decoupled import Contribution, Header, Learner, MultiProcessTransport, Syncer, multiprocess
 from tests.test_diloco import init_params, targets
 
 LR = 0.1

@@ -15,9 +15,20 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_decoupled_multiprocess import PHASE_S, START_S, load, procs, start  # noqa: F401 - procs: fixture
+from tests.test_decoupled_multiprocess import PHASE_S, START_S, load, start
 
 pytest.importorskip("zmq")
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for p in started:
+        if p.p.poll() is None:
+            p.p.kill()
+            p.p.wait()
+        p._file.close()
 
 LOOPBACK_ONLY = not sys.platform.startswith("linux")
 
@@ -61,6 +72,19 @@ def test_a_syncer_on_every_interface_advertises_a_reachable_address():
             pass
     finally:
         t.close()
+
+
+def test_a_learner_advertises_its_route_towards_the_syncer_unless_told():
+    from compjax.decoupled import MultiProcessTransport
+    from compjax.decoupled.multiprocess import local_address_towards
+
+    assert local_address_towards("127.0.0.2") == "127.0.0.1"  # the loopback's source address
+    for advertise, expected in [(None, "127.0.0.1"), ("127.0.0.4", "127.0.0.4")]:
+        t = MultiProcessTransport.for_learner("a", "tcp://127.0.0.2:5", advertise=advertise)  # connects lazily
+        try:
+            assert t.advertise == expected and t.transfer_address.startswith(expected + ":")
+        finally:
+            t.close()
 
 
 @pytest.mark.slow

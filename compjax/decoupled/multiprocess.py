@@ -92,7 +92,7 @@ def transfer_server(host: str | None = None):
             client = jax.local_devices()[0].client
             try:
                 _SERVERS[host] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
-            except Exception as e:  # noqa: BLE001 - jax raises JaxRuntimeError (bind failed)
+            except Exception as e:  # jax raises JaxRuntimeError (the bind failed)
                 raise ValueError(f"advertise must be an IPv4 address of one of this machine's interfaces "
                                  f"(the transfer server binds it), got {host!r}: {e}") from e
         return _SERVERS[host]
