@@ -5,6 +5,8 @@
     python -m experiments.async_diloco --learners 4 --lockstep           # lock-step Streaming DiLoCo, same code
     python -m experiments.async_diloco syncer  --address tcp://127.0.0.1:5555 --learners 4 ...   # one role
     python -m experiments.async_diloco learner --address tcp://127.0.0.1:5555 --index 0 ...      # per learner
+    python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 ...   # host A
+    python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --index 0 ...             # host B
 
 Without a role, the launcher starts one syncer process and ``--learners`` learner processes on this
 machine (:class:`compjax.decoupled.MultiProcessTransport`: ZeroMQ control frames, arrays over
@@ -35,9 +37,23 @@ fragments on a background thread (the transfers overlap the inner steps), and on
 contribution's receive by ``--pull-timeout-s`` and stops pulling from a learner whose transfer failed
 until it says hello again (a learner killed in the middle of a transfer).
 
-**Several machines.**  :class:`~compjax.decoupled.MultiProcessTransport` accepts only 127.0.0.1 endpoints
-today (its ZeroMQ socket and its transfer servers listen on the loopback), so the printed commands run on
-one host (several terminals); across hosts they need a transport that binds other addresses.
+**Several machines.**  The syncer binds ``--address tcp://HOST:PORT`` (HOST one of its IPv4 addresses, or
+``0.0.0.0`` / ``*`` for every interface); each learner is given ``--address tcp://SYNCER_IP:PORT``, the
+address it reaches the syncer at.  Arrays travel between the processes' ``jax.experimental.transfer``
+servers, each bound to the address its peers pull from, ``--advertise HOST`` (an IPv4 address of that
+machine).  Without ``--advertise`` the syncer advertises the host it binds (for ``0.0.0.0``: its address on
+the default route) and a learner its own address on the route towards the syncer, which is right on a
+machine with one network interface; pass it where there are several.  With the syncer on host A
+(10.0.0.1) and learners on hosts B (10.0.0.2) and C (10.0.0.3), every host with this repository and the
+same settings (the settings must match; the launcher prints them for a run on one machine)::
+
+    A$ python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 --learners 2
+    B$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.2 --learners 2 --index 0
+    C$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.3 --learners 2 --index 1
+
+The syncer's port (5555) and each process's transfer server (a free port on its advertised address) must be
+reachable between the machines (the same network, no NAT between them); stop the syncer with Ctrl-C once
+the learners are done.
 """
 
 from __future__ import annotations
@@ -243,8 +259,9 @@ def run_syncer(args) -> dict:
                             heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s,
                             reply_compressor=make_reply_compressor(args.reply_compressor))
     syncer.warm_up()  # the merges' compiles now, not inside the first rounds that every learner waits for
-    transport = MultiProcessTransport.for_syncer(args.address, pull_timeout_s=args.pull_timeout_s)
-    say(f"syncer bound {transport.address}")
+    transport = MultiProcessTransport.for_syncer(args.address, pull_timeout_s=args.pull_timeout_s,
+                                                 advertise=args.advertise)
+    say(f"syncer bound {transport.address}, arrays served from {transport.transfer_address}")
     done = threading.Event()
     server = threading.Thread(target=syncer.serve, args=(Counting(transport), done), daemon=True)
     t0 = time.time()
@@ -283,7 +300,7 @@ def control_bytes(kind: str, msg) -> int:
     """The JSON bytes of a ``header`` or ``reply`` control frame of the multi-process transport (estimated).
 
     The transport's frames are JSON objects; this rebuilds one with the same fields (a transfer id of 19
-    digits and an address ``127.0.0.1:PORT``), so it is exact to a few bytes.
+    digits and an address ``127.0.0.1:PORT``), so it is exact to a few bytes (a few more for a longer address).
     """
     import dataclasses
 
@@ -336,7 +353,8 @@ def run_learner(args) -> dict:
 
     tokens_per_step = args.batch * args.seq_len
     batch = lambda step: data.batch_at(train, step, 1, args.batch, args.seq_len, seed=args.seed * 1000 + args.index)[0]
-    transport = MultiProcessTransport.for_learner(name, args.address)
+    transport = MultiProcessTransport.for_learner(name, args.address, advertise=args.advertise)
+    say(f"learner {name}: arrays served from {transport.transfer_address}")
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
                       wait_for_merge=args.lockstep, late_reply=args.late_reply, reply_timeout_s=args.reply_timeout_s,
@@ -388,9 +406,23 @@ def run_learner(args) -> dict:
 # The launcher.
 
 
+def connect_address(address: str, advertise: str | None = None) -> str:
+    """The endpoint a learner on the syncer's machine connects to: a wildcard host (``*``, ``0.0.0.0``)
+    becomes ``advertise`` (the syncer's advertised address) or 127.0.0.1."""
+    head, port = address.rsplit(":", 1)
+    if head in ("tcp://*", "tcp://0.0.0.0"):
+        return f"tcp://{advertise or '127.0.0.1'}:{port}"
+    return address
+
+
 def role_args(args, role: str, **extra) -> list[str]:
-    """The command-line arguments of one role's process, with the run's settings."""
-    a = [role, "--address", args.address, "--learners", str(args.learners), "--steps", str(args.steps),
+    """The command-line arguments of one role's process, with the run's settings.
+
+    The syncer gets ``--address`` and ``--advertise`` as given; a learner connects to the syncer's
+    address (:func:`connect_address`) and advertises what the route towards it gives.
+    """
+    address = args.address if role == "syncer" else connect_address(args.address, args.advertise)
+    a = [role, "--address", address, "--learners", str(args.learners), "--steps", str(args.steps),
          "--sync-every", str(args.sync_every), "--fragments", str(args.fragments), "--compressor", args.compressor,
          "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
          "--outer-lr", str(args.outer_lr), "--grace-s", str(args.grace_s), "--max-staleness", str(args.max_staleness),
@@ -405,6 +437,8 @@ def role_args(args, role: str, **extra) -> list[str]:
         a.append("--lockstep")
     if args.text:
         a += ["--text", str(args.text)]
+    if role == "syncer" and args.advertise:
+        a += ["--advertise", args.advertise]
     for k, v in extra.items():
         a += [f"--{k.replace('_', '-')}", str(v)]
     return a
@@ -439,7 +473,10 @@ def launch(args) -> int:
     say("  " + shlex.join([*shown, *role_args(args, "syncer")]))
     for i in range(args.learners):
         say("  " + shlex.join([*shown, *role_args(args, "learner", index=i)]))
-    say(f"Every learner is given the syncer's address ({args.address}); stop the syncer with Ctrl-C when they are done.")
+    say(f"Every learner is given the syncer's address ({connect_address(args.address, args.advertise)}); "
+        f"stop the syncer with Ctrl-C when they are done.")
+    say("On several machines: the syncer on host A with --address tcp://0.0.0.0:PORT --advertise A_IP, each learner "
+        "on its host with --address tcp://A_IP:PORT --advertise ITS_IP (see --help).")
     say(f"Starting them here; results in {args.out}")
     logs = Path(args.out)
     env = child_env()
@@ -482,7 +519,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("role", nargs="?", choices=["launch", "syncer", "learner"], default="launch",
                     help="launch (default): the syncer and every learner here; syncer or learner: one role")
     ap.add_argument("--learners", type=int, default=4, help="N, the learners the syncer expects (default 4)")
-    ap.add_argument("--address", default=None, help="the syncer's endpoint tcp://127.0.0.1:PORT (default: a free port)")
+    ap.add_argument("--address", default=None,
+                    help="the syncer's endpoint tcp://HOST:PORT: the syncer binds it (HOST an IPv4 address of its "
+                         "machine, or 0.0.0.0 / * for every interface), a learner connects to it (HOST the syncer's "
+                         "IPv4 address or host name); default for the launcher: tcp://127.0.0.1:<a free port>")
+    ap.add_argument("--advertise", default=None,
+                    help="this process's IPv4 address as its peers reach it: its transfer server binds it and the "
+                         "peers pull arrays from it (default: the syncer the host it binds, or its address on the "
+                         "default route for 0.0.0.0; a learner its address on the route towards the syncer)")
     ap.add_argument("--steps", type=int, default=600, help="inner steps per learner")
     ap.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two sends of a fragment")
     ap.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's fragments (1: plain DiLoCo)")
@@ -539,7 +583,7 @@ def main(argv=None) -> int:
     if args.role == "launch":
         return launch(args)
     if args.address is None:
-        raise ValueError("--address is needed for a single role (the syncer's endpoint, tcp://127.0.0.1:PORT)")
+        raise ValueError("--address is needed for a single role (the syncer's endpoint, tcp://HOST:PORT)")
     args.out = args.out or str(RUNS / "roles")
     if args.role == "syncer":
         run_syncer(args)

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 import compjax as cj
-from compjax.decoupled import Contribution, Header, Learner, MultiProcessTransport, Syncer
+from compjax.decoupled import Contribution, Header, Learner, MultiProcessTransport, Syncer, multiprocess
 from tests.test_diloco import init_params, targets
 
 LR = 0.1
@@ -65,8 +65,8 @@ def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
     if run.get("restore_from"):
         say(f"restored step {syncer.restore(run['restore_from'])}")
         save_params(out / f"restored_{run['name']}.npz", syncer.global_params())
-    transport = MultiProcessTransport.for_syncer(run["address"])
-    say(f"syncer bound {transport.address}")
+    transport = MultiProcessTransport.for_syncer(run["address"], advertise=run.get("advertise"))
+    say(f"syncer bound {transport.address} transfer {transport.transfer_address}")
     done = threading.Event()
     server = threading.Thread(target=syncer.serve, args=(transport, done), daemon=True)
     server.start()
@@ -108,7 +108,8 @@ def run_learner(run: dict, out: Path) -> None:
         return optax.apply_updates(params, updates), inner_state, 0.0
 
     params0 = init_params()
-    transport = MultiProcessTransport.for_learner(name, run["address"])  # connected; joins after the warm-up
+    transport = MultiProcessTransport.for_learner(name, run["address"], advertise=run.get("advertise"))
+    say(f"learner {name} transfer {transport.transfer_address}")  # connected; joins after the warm-up
     lrn = Learner(name, train_step, params0, inner.init(params0), transport, sync_every=run["H"],
                   fragments=run["P"], compressor=compressor(run["comp"]), wait_for_merge=run.get("wait", True),
                   reply_timeout_s=run.get("reply_timeout_s", 120), worker_index=index,
@@ -191,9 +192,22 @@ def run_bad(run: dict, out: Path) -> None:
     say(f"bad done {name}")
 
 
+def log_pulls() -> None:
+    """Print the transfer address of every pull this process makes (``pulled from HOST:PORT``)."""
+    real = multiprocess._transfer
+
+    def transfer(address, uuid, specs):
+        say(f"pulled from {address}")
+        return real(address, uuid, specs)
+
+    multiprocess._transfer = transfer
+
+
 def main() -> None:
     role, config = sys.argv[1], json.loads(sys.argv[2])
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+    if config.get("log_pulls"):
+        log_pulls()
     out = Path(config["out"])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

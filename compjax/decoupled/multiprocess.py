@@ -18,8 +18,10 @@ name.  Control messages are small JSON frames:
   transfer id under which the syncer offers them (``"update": true`` when they are the compressed
   update rather than the whole values).
 
-Arrays move with ``jax.experimental.transfer``: every process runs one transfer server on
-127.0.0.1; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
+Arrays move with ``jax.experimental.transfer``: every process runs a transfer server bound to the
+address its peers reach it at (its *advertised* host, see :class:`MultiProcessTransport`), and every
+``header``, ``welcome`` and ``reply`` frame carries that server's ``HOST:PORT`` in its ``address``
+field; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
 ``connect(address).pull(uuid, specs)``.  A pull from a process that died fails at once; a receive
 (the pull and the arrival of its arrays) that takes longer than ``pull_timeout_s`` is abandoned:
 the contribution is refused, and the syncer pulls nothing more from that learner until it says
@@ -34,10 +36,13 @@ without any code here).  ``pyzmq`` is an optional dependency: ``pip install 'com
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import queue
+import re
 import secrets
+import socket
 import threading
 import time
 
@@ -50,8 +55,10 @@ from compjax.decoupled.transport import Incoming, Transport
 
 logger = logging.getLogger("compjax.decoupled")
 
-_SERVER: list = []  # this process's transfer server, started on first use
+_SERVERS: dict[str, object] = {}  # this process's transfer servers by bound host, started on first use
 _SERVER_LOCK = threading.Lock()
+_ENDPOINT = re.compile(r"tcp://(?P<host>[^:/\s]+):(?P<port>[0-9]{1,5})")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 def _zmq():
@@ -63,15 +70,89 @@ def _zmq():
     return zmq
 
 
-def transfer_server():
-    """This process's ``jax.experimental.transfer`` server on 127.0.0.1 (started on the first call)."""
+def transfer_server(host: str | None = None):
+    """This process's ``jax.experimental.transfer`` server bound to ``host`` (started on the first call).
+
+    Args:
+      host: the IPv4 address the server binds and advertises (its ``address()`` is ``HOST:PORT``,
+        a free port): an address of one of this machine's interfaces.  None: the first server
+        this process started (one on 127.0.0.1 if none was).
+
+    Raises:
+      ValueError: ``host`` is not an address of this machine (the server cannot bind it).
+    """
     from jax.experimental import transfer
 
     with _SERVER_LOCK:
-        if not _SERVER:
+        if host is None:
+            if _SERVERS:
+                return next(iter(_SERVERS.values()))
+            host = "127.0.0.1"
+        if host not in _SERVERS:
             client = jax.local_devices()[0].client
-            _SERVER.append(transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"]))
-        return _SERVER[0]
+            try:
+                _SERVERS[host] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+            except Exception as e:  # jax raises JaxRuntimeError (the bind failed)
+                raise ValueError(f"advertise must be an IPv4 address of one of this machine's interfaces "
+                                 f"(the transfer server binds it), got {host!r}: {e}") from e
+        return _SERVERS[host]
+
+
+def parse_endpoint(address, *, bind: bool, name: str = "address") -> tuple[str, int]:
+    """``(host, port)`` of a ZeroMQ TCP endpoint ``tcp://HOST:PORT``, checked.
+
+    Args:
+      address: the endpoint.  HOST is an IPv4 address; to bind (``bind=True``) also ``*`` or
+        ``0.0.0.0`` (every interface), and PORT may be 0 (a free one); to connect, HOST may also be
+        a host name and PORT is 1..65535.
+      bind: whether the endpoint is bound (the syncer) or connected to (a learner).
+      name: the parameter's name in the error message.
+
+    Raises:
+      ValueError: ``address`` is not such an endpoint (the message names ``name``).
+    """
+    form = ("tcp://HOST:PORT with HOST an IPv4 address, * or 0.0.0.0 (every interface) and PORT 0..65535"
+            if bind else "tcp://HOST:PORT with HOST an IPv4 address or host name and PORT 1..65535")
+    m = _ENDPOINT.fullmatch(address) if isinstance(address, str) else None
+    if m is None:
+        raise ValueError(f"{name} must be a TCP endpoint {form}, got {address!r}")
+    host, port = m["host"], int(m["port"])
+    ok_host = (host in ("*", "0.0.0.0") if bind else False) or _is_ipv4(host) or (
+        not bind and _HOSTNAME.fullmatch(host) is not None and not host.replace(".", "").isdigit())
+    if not ok_host or not (0 if bind else 1) <= port <= 65535:
+        raise ValueError(f"{name} must be a TCP endpoint {form}, got {address!r}")
+    return host, port
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def local_address_towards(host: str, port: int = 9) -> str:
+    """The IPv4 address this machine uses to reach ``host``: the source address the kernel picks.
+
+    A UDP socket is connected (no packet is sent) and its local address read; a loopback
+    ``host`` gives 127.0.0.1.  A host with no route (or a name that does not resolve) gives 127.0.0.1.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _check_advertise(advertise) -> str | None:
+    if advertise is None:
+        return None
+    if not (isinstance(advertise, str) and _is_ipv4(advertise)) or ipaddress.IPv4Address(advertise).is_unspecified:
+        raise ValueError(f"advertise must be the IPv4 address other machines reach this process at "
+                         f"(not 0.0.0.0), or None, got {advertise!r}")
+    return advertise
 
 
 def _specs(shapes, dtypes) -> list:
@@ -100,11 +181,11 @@ def _bounded(fn, timeout: float, what: str):
     return box["value"]
 
 
-def _offer(arrays) -> int:
-    """Offer ``arrays`` (NumPy or JAX) for one pull on this process's transfer server; their transfer id."""
+def _offer(arrays, server=None) -> int:
+    """Offer ``arrays`` (NumPy or JAX) for one pull on ``server`` (default: this process's first); their transfer id."""
     uuid = secrets.randbits(62)
     device = jax.local_devices()[0]
-    transfer_server().await_pull(uuid, [jax.device_put(np.asarray(x), device) for x in arrays])
+    (server or transfer_server()).await_pull(uuid, [jax.device_put(np.asarray(x), device) for x in arrays])
     return uuid
 
 
@@ -156,8 +237,20 @@ class MultiProcessTransport(Transport):
 
     Build one per process with :meth:`for_syncer` (binds the address) or :meth:`for_learner`
     (connects to it); each serves one side of :class:`~compjax.decoupled.Transport` and raises
-    ``RuntimeError`` for the other side's methods.  Addresses are ZeroMQ TCP endpoints on
-    127.0.0.1 (``tcp://127.0.0.1:PORT``; port 0 picks a free one, see :attr:`address`).
+    ``RuntimeError`` for the other side's methods.  Addresses are ZeroMQ TCP endpoints
+    ``tcp://HOST:PORT``: the syncer binds one (HOST an IPv4 address of its machine, or ``*`` /
+    ``0.0.0.0`` for every interface; port 0 picks a free one, see :attr:`address`), a learner
+    connects to it from the same machine or another.
+
+    Arrays do not travel over that socket: each process runs a ``jax.experimental.transfer``
+    server, bound to its *advertised* host (:attr:`advertise`, an IPv4 address of one of its
+    interfaces that the peers can reach), and puts that server's ``HOST:PORT`` in the ``address``
+    field of every frame that offers arrays; the peer pulls from there.  By default the syncer
+    advertises the host it binds (for ``*`` / ``0.0.0.0``: its address on the default route, or
+    127.0.0.1 without one) and a learner the local address of its route towards the syncer
+    (127.0.0.1 for a syncer on its own machine); pass ``advertise=`` where that is not the address
+    the peers reach (several interfaces).  Behind a NAT the peers cannot reach a bound address:
+    that is not supported.
 
     The syncer side answers ``hello`` through the syncer that :meth:`attach` gave it
     (:meth:`Syncer.serve <compjax.decoupled.Syncer.serve>` attaches itself): a new name is
@@ -175,22 +268,33 @@ class MultiProcessTransport(Transport):
 
     Attributes:
       address: the syncer's endpoint (on the syncer's side, the one bound: its port if 0 was asked).
+      advertise: the IPv4 address this process's transfer server binds and its peers pull from.
+      transfer_address: that server's ``HOST:PORT``, the ``address`` field of this side's frames.
       id: this endpoint's random id (the syncer's tells its learners of a restart).
       released: (learner) offers given back at the syncer's request (contributions it refused
         without pulling their arrays).
 
     Raises:
       ImportError: pyzmq is not installed (``pip install 'compjax[decoupled]'``).
-      ValueError: an address not on 127.0.0.1 over TCP, a name that is not a non-empty string, or a
-        time <= 0.
+      ValueError: an address that is not a TCP endpoint as above, an ``advertise`` that is not an
+        IPv4 address of this machine, a name that is not a non-empty string, or a time <= 0.
     """
 
-    def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float):
+    def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float,
+                 advertise: str | None = None):
         zmq = _zmq()
-        if not (isinstance(address, str) and address.startswith("tcp://127.0.0.1:")):
-            raise ValueError(f"address must be a TCP endpoint on 127.0.0.1 (tcp://127.0.0.1:PORT), got {address!r}")
+        host, port = parse_endpoint(address, bind=role == "syncer")
+        advertise = _check_advertise(advertise)
         check_range("heartbeat_s", heartbeat_s, 0.0, None, lo_open=True)
         check_range("pull_timeout_s", pull_timeout_s, 0.0, None, lo_open=True)
+        if advertise is None:
+            if role == "syncer":
+                advertise = local_address_towards("192.0.2.1") if host in ("*", "0.0.0.0") else host
+            else:
+                advertise = local_address_towards(host, port)
+        self.advertise = advertise
+        self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
+        self.transfer_address = self._server.address()
         self.role, self.name = role, name
         self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
         self._ctx = zmq.Context()
@@ -224,32 +328,49 @@ class MultiProcessTransport(Transport):
             self._receiver.start()
 
     @classmethod
-    def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0) -> MultiProcessTransport:
+    def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0,
+                   advertise: str | None = None) -> MultiProcessTransport:
         """The syncer's side, bound to ``address``.
 
         Args:
-          address: a ZeroMQ TCP endpoint on 127.0.0.1, ``tcp://127.0.0.1:PORT`` (port 0: a free one,
-            see :attr:`address`).
+          address: a ZeroMQ TCP endpoint ``tcp://HOST:PORT``: HOST an IPv4 address of this machine,
+            or ``*`` / ``0.0.0.0`` (every interface); port 0: a free one, see :attr:`address`.
           pull_timeout_s: the longest wait for one contribution's arrays to arrive, > 0 (a longer
             receive refuses it, and nothing more is pulled from that learner until its next hello).
+          advertise: the IPv4 address the learners reach this machine at, where the syncer's
+            transfer server binds (None: HOST, or for ``*`` / ``0.0.0.0`` this machine's address on
+            its default route, 127.0.0.1 without one).
+
+        Raises:
+          ValueError: a malformed ``address``, or an ``advertise`` this machine cannot bind.
         """
-        return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s)
+        return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s,
+                   advertise=advertise)
 
     @classmethod
     def for_learner(cls, name: str, address: str, *, heartbeat_s: float = 1.0,
-                    pull_timeout_s: float = 60.0) -> MultiProcessTransport:
+                    pull_timeout_s: float = 60.0, advertise: str | None = None) -> MultiProcessTransport:
         """Learner ``name``'s side, connected to the syncer at ``address``; call :meth:`join` next.
 
         Args:
           name: the learner's name (its ZeroMQ identity), a non-empty string.
-          address: the syncer's endpoint, ``tcp://127.0.0.1:PORT``.
+          address: the syncer's endpoint, ``tcp://HOST:PORT`` (HOST an IPv4 address or host name,
+            PORT 1..65535).
           heartbeat_s: seconds between two heartbeats, > 0.
           pull_timeout_s: the longest wait for one transfer of the syncer's values, > 0 (the reply
             is dropped).
+          advertise: the IPv4 address the syncer reaches this machine at, where the learner's
+            transfer server binds (None: the local address of this machine's route towards HOST,
+            127.0.0.1 for a syncer on this machine).
+
+        Raises:
+          ValueError: an empty ``name``, a malformed ``address``, or an ``advertise`` this machine
+            cannot bind.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s)
+        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s,
+                   advertise=advertise)
 
     def _need(self, role: str) -> None:
         if self.role != role:
@@ -355,8 +476,8 @@ class MultiProcessTransport(Transport):
             return
         flat = [x for values in start.values for x in values]
         self._send_to(identity, {
-            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "uuid": _offer(flat),
-            "address": transfer_server().address(),
+            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "uuid": _offer(flat, self._server),
+            "address": self.transfer_address,
             "shapes": [[list(x.shape) for x in values] for values in start.values],
             "dtypes": [[x.dtype.str for x in values] for values in start.values]})
 
@@ -369,7 +490,7 @@ class MultiProcessTransport(Transport):
                "accepted": reply.accepted, "reason": reply.reason, "uuid": None}
         arrays = reply.arrays()  # the whole values, or the compressed update (``"update": true``)
         if reply.values is not None or reply.update is not None:
-            msg.update(uuid=_offer(arrays), address=transfer_server().address(),
+            msg.update(uuid=_offer(arrays, self._server), address=self.transfer_address,
                        shapes=[list(x.shape) for x in arrays], dtypes=[x.dtype.str for x in arrays],
                        update=reply.values is None)
         self._send_to(reply.learner.encode(), msg)
@@ -431,7 +552,7 @@ class MultiProcessTransport(Transport):
                 offer = self._offers.pop(msg.get("uuid"), None)
             if offer is not None:  # pull our own offer: the transfer server lets go of the arrays
                 try:
-                    _pull(transfer_server().address(), msg["uuid"], offer[0], offer[1], self._pull_timeout, "release")
+                    _pull(self.transfer_address, msg["uuid"], offer[0], offer[1], self._pull_timeout, "release")
                     self.released += 1
                 except Exception as e:  # noqa: BLE001 - a release that fails leaves one offer behind
                     logger.info("learner %r: releasing offer %s failed: %s", self.name, msg["uuid"], e)
@@ -467,12 +588,12 @@ class MultiProcessTransport(Transport):
     def send(self, contribution: Contribution) -> None:
         self._need("learner")
         h = contribution.header
-        uuid = _offer(contribution.values)
+        uuid = _offer(contribution.values, self._server)
         with self._offers_lock:
             self._offers[uuid] = (tuple(np.shape(v) for v in contribution.values),
                                   tuple(np.asarray(v).dtype.str for v in contribution.values), h.fragment)
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
-                   "address": transfer_server().address()})
+                   "address": self.transfer_address})
 
     def _receive_loop(self) -> None:
         """Pull the arrays of each reply (and of a restarted syncer's welcome) off the training thread."""
@@ -522,4 +643,5 @@ class MultiProcessTransport(Transport):
             return None
 
     def __repr__(self) -> str:
-        return f"MultiProcessTransport(role={self.role!r}, name={self.name!r}, address={self.address!r})"
+        return (f"MultiProcessTransport(role={self.role!r}, name={self.name!r}, address={self.address!r}, "
+                f"advertise={self.advertise!r})")
