@@ -50,7 +50,7 @@ COMPRESSORS = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n in ("topk", "dgc") else pytest.param(n, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [n if n == "dgc" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in COMPRESSORS])
 def test_payload_bytes_equals_audited_bytes(mesh, name):
     params = init_params()

@@ -91,6 +91,7 @@ def test_the_fast_axis_sum_of_a_whole_leaf_is_labelled_compjax():
     assert cj.bytes_by_issuer(ops)["other"] == 0, cj.format_collectives(ops)
 
 
+@pytest.mark.slow  # compiles and audits four fragments' steps (about 9 s)
 def test_streaming_diloco_steps_match_the_branches_they_took():
     """Streaming DiLoCo: one conditional per fragment; each step's payload_bytes is the bytes of the branch that
     fired (branch_bytes), 0 between syncs; worker_bytes adds every fragment's sync (an upper bound)."""

@@ -76,7 +76,7 @@ def run_decoupled(steps, H, P, comp):
     return syncer, learners
 
 
-@pytest.mark.parametrize("comp", ["identity", "chunktopk"])
+@pytest.mark.parametrize("comp", ["identity", pytest.param("chunktopk", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("P, H, steps", [(1, 2, 6), pytest.param(2, 4, 12, marks=pytest.mark.slow)],
                          ids=["diloco", "streaming"])
 def test_full_quorum_without_overlap_equals_diloco_in_one_spmd_program(P, H, steps, comp):

@@ -69,7 +69,8 @@ def _device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("name", [pytest.param("dgc", marks=pytest.mark.slow), "streaming_diloco",
+@pytest.mark.parametrize("name", [pytest.param("dgc", marks=pytest.mark.slow),
+                                  pytest.param("streaming_diloco", marks=pytest.mark.slow),
                                   pytest.param("delayed_averaging_topk", marks=pytest.mark.slow)])
 def test_each_device_holds_a_quarter_of_parameters_and_state(name):
     """Per-device bytes of parameters + optimizer + compressor state: the replicated 2-D layout's / 4, up to the
@@ -242,6 +243,7 @@ def _train(mesh_fast, params, specs_fn, tx, batches, p=None, s=None):
     return mesh, specs, p, s
 
 
+@pytest.mark.slow  # two sharded layouts saved and restored (about 9 s)
 def test_a_sharded_checkpoint_saved_at_fast_4_restores_at_fast_4_and_at_fast_2(tmp_path):
     """The checkpoint holds the logical arrays: restored onto 2 x 4 they are bit-identical; onto 2 x 2 too, and
     training on from there matches training on at fast = 4 to 1e-6."""

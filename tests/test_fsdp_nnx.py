@@ -76,6 +76,7 @@ def test_nnx_sharded_steps_equal_the_pytree_steps_replicated_2d_layout_with_a_qu
     assert int(optimizer.step[0]) == 5 and step._cache_size() == 1
 
 
+@pytest.mark.slow  # builds and trains two NNX layouts (about 9 s)
 def test_with_partitioning_annotations_batchnorm_and_dropout_train_as_the_whole_layout():
     mesh = parallel.make_2d_mesh(SLOW, FAST)
     annotated = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "fast"))

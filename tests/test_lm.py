@@ -259,6 +259,7 @@ def run(text, make_tx, **kw):
     return train(make_tx, **args | kw)
 
 
+@pytest.mark.slow  # trains the testbed (about 8 s)
 def test_train_synchronous(text):
     res = run(text, lambda ax: optax.chain(cj.identity(axis_name=ax), optax.sgd(0.1)))
     num_params = res["config"]["num_params"]
