@@ -129,17 +129,18 @@ def decoder(compressor: optax.GradientTransformation, like: Like) -> Callable:
     and dtypes (checked by the caller before anything is received).
     """
     full = _full_spec(compressor, like)
+    return jax.jit(lambda payload: _decoded(compressor, like, full, payload))
 
-    def decode(payload):
-        given = iter(payload)
-        arrays = [jax.lax.bitcast_convert_type(next(given), s.dtype) if s.size else jnp.zeros(s.shape, s.dtype)
-                  for s in full]
-        zeros = [jnp.zeros(s, jnp.dtype(d)) for s, d in like]
-        with collectives.replay(arrays):
-            decoded, _ = compressor.update(zeros, compressor.init(zeros))
-        return list(decoded)
 
-    return jax.jit(decode)
+def _decoded(compressor: optax.GradientTransformation, like: Like, full: tuple, payload: Any) -> list:
+    """The compressor's decoding of ``payload`` (traced): its captured collectives replayed on fresh state."""
+    given = iter(payload)
+    arrays = [jax.lax.bitcast_convert_type(next(given), s.dtype) if s.size else jnp.zeros(s.shape, s.dtype)
+              for s in full]
+    zeros = [jnp.zeros(s, jnp.dtype(d)) for s, d in like]
+    with collectives.replay(arrays):
+        decoded, _ = compressor.update(zeros, compressor.init(zeros))
+    return list(decoded)
 
 
 @functools.cache
@@ -154,12 +155,7 @@ def applier(compressor: optax.GradientTransformation, like: Like) -> Callable:
     full = _full_spec(compressor, like)
 
     def apply(old, payload):
-        given = iter(payload)
-        arrays = [jax.lax.bitcast_convert_type(next(given), s.dtype) if s.size else jnp.zeros(s.shape, s.dtype)
-                  for s in full]
-        zeros = [jnp.zeros(s, jnp.dtype(d)) for s, d in like]
-        with collectives.replay(arrays):
-            decoded, _ = compressor.update(zeros, compressor.init(zeros))
+        decoded = _decoded(compressor, like, full, payload)
         return [jnp.asarray(o) + d.astype(jnp.asarray(o).dtype) for o, d in zip(old, decoded)]
 
     return jax.jit(apply)
