@@ -669,12 +669,42 @@ def _after(x: jnp.ndarray, token: jnp.ndarray) -> jnp.ndarray:
     return x if token is None else jnp.where(token == 1, jnp.zeros_like(x), x)
 
 
+def _in_place_slices(x: jnp.ndarray, axis_name: AxisName, n: int, prescale: bool) -> tuple[jnp.ndarray, int]:
+    """Mean over workers of the flat ``x`` in slices of at most :data:`BUCKET_CAP_BYTES`, each written back in place.
+
+    One all-reduce per slice, one after the other (each slice is read from
+    the array the previous one was written into), so only one slice's
+    operand and result (and, on XLA:CPU, their float32 copies for a 16-bit
+    ``x``) are alive beside ``x``.  Returns ``(mean, payload_bytes)``: the
+    bytes are those of ``x`` (the slices together).
+    """
+    per = max(1, BUCKET_CAP_BYTES // jnp.dtype(x.dtype).itemsize)
+    size = int(x.size)
+    div = jnp.asarray(n, x.dtype)
+    sent = 0
+    for a in range(0, size, per):
+        piece = jax.lax.slice_in_dim(x, a, min(a + per, size))
+        if prescale:
+            piece = piece / div
+        with _scope("dense_mean"):
+            piece = jax.lax.psum(piece, axis_name)
+        if not prescale:
+            piece = piece / div
+        sent += reduce_bytes(piece)
+        x = jax.lax.dynamic_update_slice_in_dim(x, like_varying(piece, x), a, axis=0)
+    return x, sent
+
+
 def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
     """:func:`dense_mean_arrays` of one dtype: shards ``own`` sent as they are, the bucket of ``rest`` in pieces.
 
     The shards and this device's piece of the ``rest`` bucket go in buffers of
-    at most :data:`BUCKET_CAP_BYTES` (a shard above it alone, without a copy),
-    one all-reduce each: the bytes of one buffer holding them all.
+    at most :data:`BUCKET_CAP_BYTES`, one all-reduce each: the bytes of one
+    buffer holding them all.  A shard above the cap is reduced in slices of
+    the cap, each written back into the shard in place
+    (:func:`_in_place_slices`): XLA:CPU reduces 16-bit floats in float32,
+    through a float32 copy of the operand and of the result, which for a
+    whole stacked layer would be two float32 copies of it.
     """
     n = num_workers(axis_name)
     dtype = own[0].dtype
@@ -686,11 +716,20 @@ def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
         piece, _ = _piece(whole, fast)
         parts.append(piece)
     f = int(jax.lax.axis_size(fast))
-    reduced, nbytes = [], 0
+    out: list = [None] * len(parts)
+    last, nbytes = None, 0
     for group in group_by_size([_nbytes(p) for p in parts], BUCKET_CAP_BYTES):
+        if len(group) == 1 and _nbytes(parts[group[0]]) > BUCKET_CAP_BYTES:
+            x = parts[group[0]]
+            if last is not None:
+                x = _after(x, _after_token(last))
+            x, sent = _in_place_slices(x, axis_name, n, prescale)
+            nbytes += f * sent
+            out[group[0]] = last = x
+            continue
         buf = parts[group[0]] if len(group) == 1 else jnp.concatenate([parts[j] for j in group])
-        if reduced:  # one all-reduce after the other: XLA would combine them, all operands and results alive
-            buf = _after(buf, _after_token(reduced[-1]))
+        if last is not None:  # one all-reduce after the other: XLA would combine them, all operands and results alive
+            buf = _after(buf, _after_token(last))
         if prescale:
             buf = buf / jnp.asarray(n, dtype)
         with _scope("dense_mean"):
@@ -700,11 +739,12 @@ def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
         nbytes += f * reduce_bytes(buf)
         at = 0
         for j in group:
-            reduced.append(buf[at: at + int(parts[j].size)])
+            out[j] = buf[at: at + int(parts[j].size)]
             at += int(parts[j].size)
-    means = [r.reshape(x.shape) for r, x in zip(reduced, own)]
+        last = buf
+    means = [r.reshape(x.shape) for r, x in zip(out, own)]
     if rest:
-        means += bucket.unflatten(_join(reduced[-1], whole, fast))
+        means += bucket.unflatten(_join(out[-1], whole, fast))
     return means, nbytes
 
 

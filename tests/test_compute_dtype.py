@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import compjax as cj
-from compjax import parallel
+from compjax import collectives, parallel
 
 SLOW, FAST = 2, 4
 LR = 0.5
@@ -121,3 +121,78 @@ def test_compute_dtype_must_be_a_floating_point_dtype(bad):
     tx = optax.chain(cj.identity(axis_name="data"), optax.sgd(LR))
     with pytest.raises(ValueError, match="compute_dtype"):
         parallel.data_parallel_step(_loss(set()), tx, mesh, compute_dtype=bad)
+
+
+# --- compute_cast: the cast where parameters are used, the gradient left in the compute dtype ------------------------
+
+def _cast_loss(seen):
+    """``_loss`` with every parameter passed through ``parallel.compute_cast`` where it is used."""
+    inner = _loss(seen)
+    return lambda p, batch: inner(parallel.compute_cast(p), batch)
+
+
+def test_compute_cast_is_astype_forward_and_keeps_the_gradient_in_bfloat16():
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 4)), jnp.float32)
+    tree = {"w": w, "n": jnp.arange(3)}
+    out = parallel.compute_cast(tree)
+    assert out["w"].dtype == jnp.bfloat16 and out["n"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.asarray(w.astype(jnp.bfloat16), np.float32))
+
+    def loss(ws):  # used layer by layer under lax.scan: the stacked gradient stays bfloat16
+        def body(x, wl):
+            return jnp.tanh(x @ parallel.compute_cast(wl)), None
+        x, _ = jax.lax.scan(body, jnp.ones((2, 4), jnp.bfloat16), ws)
+        return x.astype(jnp.float32).sum()
+
+    def plain(ws):
+        def body(x, wl):
+            return jnp.tanh(x @ wl.astype(jnp.bfloat16)), None
+        x, _ = jax.lax.scan(body, jnp.ones((2, 4), jnp.bfloat16), ws)
+        return x.astype(jnp.float32).sum()
+
+    g, want = jax.grad(loss)(w), jax.grad(plain)(w)
+    assert g.dtype == jnp.bfloat16 and want.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want))  # the same bfloat16 values
+
+
+@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope"])
+def test_compute_cast_dtype_must_be_a_floating_point_dtype(bad):
+    with pytest.raises(ValueError, match="dtype"):
+        parallel.compute_cast({"w": jnp.ones(3)}, bad)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "replicated_2d"])
+def test_compute_cast_gradients_reach_tx_in_bfloat16_and_identity_sends_them_so(layout):
+    """Without ``compute_dtype`` the step hands ``tx`` the gradients as the loss gives them: bfloat16 from
+    ``compute_cast`` (the parameters and their update stay float32), and ``cj.identity`` sends 2 bytes per
+    parameter instead of 4; the parameters follow the float32 update of the bfloat16 gradient."""
+    init, batches = _params(), _batches()
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    specs = parallel.fsdp_specs(init, mesh, min_size=1024)
+    place = {"specs": specs} if layout == "sharded" else {"fast_axis": "fast"}
+    count = sum(int(np.prod(v.shape)) for v in init.values())
+    sent = {}
+    for name, loss in (("cast", _cast_loss), ("astype", _loss)):
+        loss_seen, grad_seen = set(), set()
+        tx = optax.chain(_recorder(grad_seen), cj.identity(axis_name="data"), optax.sgd(LR))
+        params = parallel.replicate(init, mesh, **place)
+        state = parallel.init_worker_state(tx, init, mesh, **place)
+        step = parallel.data_parallel_step(loss(loss_seen), tx, mesh, **place)
+        for b in batches:
+            params, state, _ = step(params, state, parallel.shard_batch(b, mesh, fast_axis="fast"))
+        sent[name] = np.asarray(cj.payload_bytes(state))
+        if name == "cast":
+            assert loss_seen == {"bfloat16"} and grad_seen == {"bfloat16"}
+            assert {jnp.result_type(v).name for v in jax.tree.leaves(params)} == {"float32"}
+            got = {k: v[0] for k, v in parallel.gather(params).items()}
+            _close(got, _reference(init, batches, SLOW * FAST), init)
+            text = step.lower(params, state, parallel.shard_batch(batches[0], mesh, fast_axis="fast")).as_text()
+            types = re.findall(r'"stablehlo.all_reduce".*?\}\) : \(tensor<\d+x(\w+)>\)', text, flags=re.S)
+            assert "bf16" in types, types  # the slow-axis mean of the gradients, in bfloat16 before XLA:CPU widens it
+        else:
+            assert grad_seen == {"float32"}
+    # The bfloat16 mean's bytes are reduce_bytes' (XLA:CPU widens a bfloat16 all-reduce to float32, so on CPU
+    # they equal the float32 ones); both counts carry the same non-finite vote beside the gradients.
+    bf16 = collectives.reduce_bytes(jax.ShapeDtypeStruct((count,), jnp.bfloat16))
+    assert (sent["cast"] - bf16).tolist() == (sent["astype"] - 4 * count).tolist(), sent
+    assert 0 <= sent["astype"][0] - 4 * count <= 64, sent

@@ -169,10 +169,10 @@ def _dot_dtypes(precision):
 
 
 def test_mixed_precision_computes_in_bfloat16():
-    """``mixed``: every matmul of the loss and its gradient takes bfloat16 operands, the master parameters and
-    their gradients are float32; ``fp32``: float32 throughout."""
+    """``mixed``: every matmul of the loss and its gradient takes bfloat16 operands, the master parameters are
+    float32 and their gradients bfloat16 (``compute_cast``); ``fp32``: float32 throughout."""
     dots, grads, params = _dot_dtypes("mixed")
-    assert dots == {"bfloat16"} and grads == {"float32"} and params == {"float32"}
+    assert dots == {"bfloat16"} and grads == {"bfloat16"} and params == {"float32"}
     dots, grads, params = _dot_dtypes("fp32")
     assert dots == {"float32"} and grads == {"float32"} and params == {"float32"}
     with pytest.raises(ValueError, match="precision"):

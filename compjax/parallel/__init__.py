@@ -42,6 +42,7 @@ The package's modules, each one concept: :mod:`~compjax.parallel.mesh` (meshes),
 :mod:`~compjax.parallel.core` (the one step core: ``jax.shard_map`` inside
 ``jax.jit``, batches split, keys folded, donation and output shardings),
 :mod:`~compjax.parallel.pytree` (:func:`data_parallel_step`),
+:mod:`~compjax.parallel.precision` (:func:`compute_cast`: mixed precision where parameters are used),
 :mod:`~compjax.parallel.userstep` (:func:`worker_step`) and
 :mod:`~compjax.parallel.nnx_adapters` (the Flax NNX helpers).
 """
@@ -62,11 +63,13 @@ from compjax.parallel.placement import (
     state_specs,
     unreplicate,
 )
+from compjax.parallel.precision import compute_cast
 from compjax.parallel.pytree import data_parallel_step
 from compjax.parallel.userstep import worker_step
 
 __all__ = [
     "Padded",
+    "compute_cast",
     "data_parallel_step",
     "fsdp_specs",
     "gather",

@@ -115,7 +115,14 @@ def data_parallel_step(
     ``cj.cast(jnp.bfloat16)`` for a bfloat16 dense mean), as
     :func:`compjax.audit_collectives` shows.  On a 2-D mesh without ``specs``,
     the fast-axis mean runs in ``compute_dtype`` before the cast.  Integer
-    leaves are passed as they are.
+    leaves are passed as they are.  ``compute_dtype`` casts the whole tree
+    before the loss: with ``specs``, that is a ``compute_dtype`` copy of every
+    parameter shard.  A large model casts where each parameter is used
+    instead, with :func:`compjax.parallel.compute_cast` inside its loss (one
+    layer's parameters inside ``jax.lax.scan``) and ``compute_dtype=None``:
+    the gradients then reach ``tx`` in the compute dtype, uncast (half the
+    gradient's bytes for bfloat16; a compressor's error feedback keeps its
+    own float32 residual, ``cj.identity`` sends them in bfloat16).
 
     A step of one's own (a Flax ``TrainState``, mutable collections, metrics)
     is :func:`worker_step` over it.
@@ -149,7 +156,8 @@ def data_parallel_step(
         ensemble): no warning when ``tx`` holds no compjax compressor or
         algorithm.
       compute_dtype: None (the default: the loss sees the parameters as they
-        are), or a floating-point dtype (``jnp.bfloat16``, ``jnp.float16``)
+        are and its gradients reach ``tx`` in the dtype differentiation gives
+        them), or a floating-point dtype (``jnp.bfloat16``, ``jnp.float16``)
         the loss and its gradient run in, the parameters and ``tx``'s state
         kept in their own dtype (see above).
 
@@ -194,11 +202,11 @@ def data_parallel_step(
         out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(to_compute(params, compute_dtype), batch, *key)
         loss, aux = out if has_aux else (out, None)
         if fast_axis is not None:
-            grads = like_params(_fast_mean(grads, fast_axis), params)
+            grads = like_params(_fast_mean(grads, fast_axis), params, compute_dtype)
             with layout.fast_layout(fast_axis):  # one host's devices share the slow-axis payload
                 updates, opt_state = tx.update(grads, opt_state, params)
         else:
-            updates, opt_state = tx.update(like_params(grads, params), opt_state, params)
+            updates, opt_state = tx.update(like_params(grads, params, compute_dtype), opt_state, params)
         params = optax.apply_updates(params, updates)
         return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
@@ -229,8 +237,15 @@ def to_compute(params: Any, compute_dtype: Any) -> Any:
                         else p, params)
 
 
-def like_params(grads: Any, params: Any) -> Any:
-    """Each gradient leaf in its parameter's dtype (a no-op where they agree)."""
+def like_params(grads: Any, params: Any, compute_dtype: Any) -> Any:
+    """With ``compute_dtype``, each gradient leaf in its parameter's dtype (a no-op where they agree).
+
+    Without it, the gradients are left as the loss's differentiation gives
+    them: a loss using :func:`compjax.parallel.compute_cast` hands bfloat16
+    gradients of float32 parameters to the optimizer on purpose.
+    """
+    if compute_dtype is None:
+        return grads
     return jax.tree.map(lambda g, p: g if g.dtype == jnp.result_type(p) else g.astype(jnp.result_type(p)),
                         grads, params)
 
@@ -272,7 +287,7 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         value_and_grad = per_device_value_and_grad(loss_fn, fast, has_aux, own_specs)
 
         def update(params, opt_state, grads):  # this device's shards (and whole leaves)
-            grads = like_params(grads, params)  # compute_dtype's gradient cast where tx takes it
+            grads = like_params(grads, params, compute_dtype)  # cast where tx takes it
             with layout.fast_layout(fast, grads, dims):
                 updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state

@@ -29,8 +29,11 @@ the layers of a group, :func:`init_shapes`) as one layer.
 the published table: float32 master parameters, float32 AdamW moments and
 float32 compressor / error-feedback / DiLoCo state; the loss casts each
 parameter to bfloat16 where it is used, so activations, the matmuls and the
-gathered compute copies are bfloat16, and the gradient arrives in float32 on
-the master parameters) or ``fp32`` (everything float32).
+gathered compute copies are bfloat16; the cast is
+:func:`compjax.parallel.compute_cast`, so the gradient stays bfloat16, 2 bytes
+per parameter, and reaches the optimizer so: error feedback accumulates it into
+its float32 residual, AdamW into its float32 moments, ``cj.identity`` sends it
+in bfloat16) or ``fp32`` (everything float32).
 
 **Steps**, each with the parameters and optimizer state donated (as in a
 training loop), each device one sequence of 1,024 tokens (``--batch-per-device``):
@@ -142,7 +145,8 @@ SIZES: dict[str, dict] = {
 }
 TINY_VOCAB = 512
 #: ``fp32``: parameters, compute and state in float32.  ``mixed``: float32 master parameters, AdamW moments
-#: and compressor state; the loss casts each parameter to bfloat16 where it is used (bfloat16 compute).
+#: and compressor state; the loss casts each parameter to bfloat16 where it is used (bfloat16 compute and gradients,
+#: :func:`compjax.parallel.compute_cast`).
 PRECISIONS = ("mixed", "fp32")
 COMPUTE_DTYPE = {"fp32": jnp.float32, "mixed": jnp.bfloat16}
 
@@ -246,12 +250,12 @@ def forward(params: dict, ids, *, n_heads: int, remat: bool = True, compute_dtyp
     backward pass with ``remat`` (only its input is kept: activation
     checkpointing, as large models are trained).  With ``compute_dtype`` (e.g.
     ``jnp.bfloat16``: mixed precision), each parameter is cast to it where it is
-    used (one layer's inside the scan, the embedding rows looked up, the head),
-    so activations and matmuls are in that dtype; the logits are in it too.
+    used (one layer's inside the scan, the embedding rows looked up, the head)
+    with :func:`compjax.parallel.compute_cast`, so activations, matmuls and the
+    parameters' gradients are in that dtype; the logits are in it too.
     """
     b, t = ids.shape
-    cast = (lambda tree: tree) if compute_dtype is None else (
-        lambda tree: jax.tree.map(lambda w: w.astype(compute_dtype), tree))
+    cast = (lambda tree: tree) if compute_dtype is None else (lambda tree: parallel.compute_cast(tree, compute_dtype))
     x = cast(params["tok_embed"]["embedding"][ids]) + cast(params["pos_embed"]["embedding"][:t])
     causal = jnp.tril(jnp.ones((t, t), bool))
 
@@ -281,7 +285,8 @@ def abstract_model(size: str, precision: str = "mixed", vocab: int | None = None
     Args:
       size: a key of :data:`SIZES`.
       precision: one of :data:`PRECISIONS`: the loss computes in float32 (``"fp32"``) or casts the
-        float32 parameters to bfloat16 where they are used (``"mixed"``); the loss itself is float32.
+        float32 parameters to bfloat16 where they are used (``"mixed"``: their gradients come out bfloat16);
+        the loss itself is float32.
       vocab: vocabulary size (default :data:`VOCAB`, :data:`TINY_VOCAB` for ``"tiny"``).
       remat: rematerialize each block in the backward pass.
 
@@ -655,8 +660,8 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     load = result.get("loadavg", {})
     prec = result.get("precision", "fp32")
-    prec_text = ("float32 master parameters, AdamW moments and compressor state, bfloat16 compute (each parameter "
-                 "cast where the loss uses it)" if prec == "mixed" else "float32 parameters, state and compute")
+    prec_text = ("float32 master parameters, AdamW moments and compressor state, bfloat16 compute and gradients "
+                 "(each parameter cast where the loss uses it, `compjax.parallel.compute_cast`)" if prec == "mixed" else "float32 parameters, state and compute")
     meshes = ", ".join(dict.fromkeys(r["mesh"].replace("x", " x ") for r in rows))
     lines = [
         f"Command: `{result['command']}`  ",
@@ -714,7 +719,7 @@ def main(argv=None) -> dict:
                    help="comma-separated SLOWxFAST meshes to keep of each size's (default: all of PLAN's)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
     p.add_argument("--precision", default="mixed", choices=PRECISIONS,
-                   help="mixed: float32 master parameters and state, bfloat16 compute; fp32: all float32")
+                   help="mixed: float32 master parameters and state, bfloat16 compute and gradients; fp32: all float32")
     p.add_argument("--no-reference", action="store_true", help="skip the MaxText-style reference rows")
     p.add_argument("--batch-per-device", type=int, default=1, help="sequences per device")
     p.add_argument("--report-only", action="store_true",
