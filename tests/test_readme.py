@@ -108,11 +108,11 @@ def test_existing_loop_recipes_are_the_example_programs():
 
 @pytest.mark.slow  # two sharded programs
 def test_sharded_parameters_block_prints_what_its_page_says():
-    """Each block of the sharded-parameters page (pytree, NNX, a user's own step) runs and prints the line the
+    """Each block of the sharded-parameters page (pytree, NNX, a user's own step, mixed precision) runs and prints the line the
     page quotes after it."""
     text = SHARDED.read_text()
     blocks, quoted = fenced(text, "python"), re.findall(r"^prints `([^`]*)`", text, re.MULTILINE)
-    assert len(blocks) == len(quoted) == 3
+    assert len(blocks) == len(quoted) == 4
     for block, line in zip(blocks, quoted):
         assert run_block(block, "docs sharded parameters").strip() == line
 
