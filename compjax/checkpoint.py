@@ -235,7 +235,7 @@ def _logical_target(x: Any, entry: Any) -> Any:
 
 def _padded_back(state: Any, like: Any, specs: Any) -> Any:
     """``state`` (restored logical arrays) with each padded leaf padded with zeros onto ``like``'s leaf's sharding."""
-    from compjax.parallel.placement import Padded, is_spec_entry, pad
+    from compjax.parallel.placement import Padded, is_spec_entry, mark_padded, pad
 
     def back(entry, sub, target):
         if not isinstance(entry, Padded):
@@ -243,7 +243,7 @@ def _padded_back(state: Any, like: Any, specs: Any) -> Any:
         sharding = getattr(target, "sharding", None)
         if sharding is None or not isinstance(sub, jax.Array):
             return pad(np.asarray(sub), entry, lead=1)
-        return jax.jit(lambda a: pad(a, entry, lead=1), out_shardings=sharding)(sub)
+        return mark_padded(jax.jit(lambda a: pad(a, entry, lead=1), out_shardings=sharding)(sub))
 
     return jax.tree.map(back, specs, state, like, is_leaf=is_spec_entry)
 

@@ -18,7 +18,7 @@ import pytest
 import compjax as cj
 from compjax import parallel
 from compjax.checkpoint import Checkpointer, signature
-from compjax.parallel.placement import checked_leaf_specs
+from compjax.parallel.placement import checked_leaf_specs, is_padded_array
 
 SLOW, FAST = 2, 4
 
@@ -142,6 +142,7 @@ def test_a_checkpoint_holds_the_logical_arrays_and_restores_them_padded(tmp_path
     opt_state = parallel.init_worker_state(tx, init, mesh, specs=specs)
     batch = parallel.shard_batch((np.ones((16, 6), np.float32), np.zeros((16, 3), np.float32)), mesh, fast_axis="fast")
     params, opt_state, _ = parallel.data_parallel_step(_loss, tx, mesh, specs=specs)(params, opt_state, batch)
+    assert is_padded_array(params["w1"]) and not is_padded_array(params["b2"])  # the step's outputs stay known
     state = {"params": params, "opt_state": opt_state}
     both = {"params": specs, "opt_state": parallel.state_specs(tx, init, specs, mesh)}
     assert np.any(np.asarray(opt_state[0].residual["w1"]))  # a residual worth restoring
@@ -154,6 +155,7 @@ def test_a_checkpoint_holds_the_logical_arrays_and_restores_them_padded(tmp_path
         with pytest.raises(ValueError, match=r"residual\['b1'\] is \[\[2, 10\], 'float32'\] .* but \[\[2, 12\], 'float32'\]"):
             ckpt.restore(fresh(mesh, specs))
         restored, _ = ckpt.restore(fresh(mesh, specs), specs=both)
+        assert is_padded_array(restored["params"]["w1"]) and is_padded_array(restored["opt_state"][0].residual["b1"])
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(restored)):
             assert a.shape == b.shape and a.sharding == b.sharding, path
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
@@ -183,3 +185,29 @@ def test_a_sharded_step_refuses_padded_specs_over_parameters_not_stored_padded()
     with pytest.raises(ValueError, match=r"params\['b1'\] has shape \(10,\) per worker, but its spec Padded.*"
                                          r"parallel.replicate\(..., specs=specs\)"):
         step.lower(params, opt_state, batch)
+
+
+def test_worker_step_refuses_arrays_stored_padded():
+    """``worker_step`` hands its arguments to the user's step as they are: a leaf ``replicate`` stored padded would
+    reach the user's model as (6, 12) and train the padding, so the step refuses it by name, before compiling; the
+    same tree laid out without padding (``pad_min_size=None``) is taken."""
+    mesh = parallel.make_2d_mesh(SLOW, FAST)
+    init = _params()
+    tx = optax.chain(cj.identity(axis_name="data"), optax.sgd(0.1))
+
+    def train_step(params, opt_state, batch):
+        grads = jax.grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = parallel.worker_step(train_step, mesh)
+    batch = (np.ones((16, 6), np.float32), np.zeros((16, 3), np.float32))
+    padded = parallel.fsdp_specs(init, mesh, min_size=1, pad_min_size=8)
+    params = parallel.replicate(init, mesh, specs=padded)
+    state = parallel.init_worker_state(tx, init, mesh, specs=padded)
+    with pytest.raises(ValueError, match=r"argument 0\['b1'\] is stored padded .*pad_min_size=None"):
+        step(params, state, batch)
+    whole = parallel.fsdp_specs(init, mesh, min_size=1, pad_min_size=None)
+    assert not any(isinstance(e, parallel.Padded) for e in jax.tree.leaves(whole))
+    params = parallel.replicate(init, mesh, specs=whole)  # taken: tests/test_user_step_2d.py trains such a layout
+    assert not any(is_padded_array(x) for x in jax.tree.leaves(params))

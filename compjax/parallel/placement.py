@@ -23,6 +23,7 @@ compressor, inside a step, how its gradients are sharded over the fast axis.)
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +132,35 @@ def pad(x: Any, entry: Any, lead: int = 0) -> Any:
     widths = [(0, 0)] * np.ndim(x)
     widths[d] = (0, extra)
     return jnp.pad(x, widths) if isinstance(x, jax.Array) else np.pad(np.asarray(x), widths)
+
+
+#: The arrays this package handed out stored padded (a :class:`Padded` entry's leaf): ``id -> weak reference``.
+_PADDED: dict[int, weakref.ref] = {}
+
+
+def mark_padded(x: Any) -> Any:
+    """Remember the ``jax.Array`` ``x`` as stored padded (:func:`is_padded_array`); returns ``x``.
+
+    :func:`replicate`, :func:`init_worker_state`, the sharded step's outputs
+    and checkpoint restores mark their padded leaves, so that a step that
+    would hand them to a user's code padded (:func:`compjax.parallel.worker_step`)
+    can refuse them.  Only a weak reference is kept.
+    """
+    if isinstance(x, jax.Array):
+        key = id(x)
+
+        def forget(ref, key=key):
+            if _PADDED.get(key) is ref:
+                del _PADDED[key]
+
+        _PADDED[key] = weakref.ref(x, forget)
+    return x
+
+
+def is_padded_array(x: Any) -> bool:
+    """Whether ``x`` is an array this package handed out stored padded (:func:`mark_padded`)."""
+    ref = _PADDED.get(id(x))
+    return ref is not None and ref() is x
 
 
 def unpad_leaves(leaves: Sequence, entries: Sequence) -> list:
@@ -268,8 +298,9 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
     if specs is not None:
         leaf_specs = checked_leaf_specs(tree, specs, mesh, axis_name, padded=True)
         leaves, treedef = jax.tree.flatten(tree)
-        return jax.tree.unflatten(treedef, [stack_copies(pad(x, spec), mesh, axis_name, None, as_spec(spec))
-                                            for x, spec in zip(leaves, leaf_specs)])
+        stored = [stack_copies(pad(x, spec), mesh, axis_name, None, as_spec(spec)) for x, spec in zip(leaves, leaf_specs)]
+        return jax.tree.unflatten(treedef, [mark_padded(x) if isinstance(spec, Padded) else x
+                                            for x, spec in zip(stored, leaf_specs)])
     return jax.tree.map(lambda x: stack_copies(x, mesh, axis_name, fast_axis), tree)
 
 

@@ -40,6 +40,8 @@ from compjax.parallel.placement import (
     as_spec,
     check_stored,
     checked_leaf_specs,
+    is_padded_array,
+    mark_padded,
     pad_leaves,
     shard_dims,
     stacked_spec,
@@ -315,7 +317,13 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         return get(key, params, opt_state)
 
     def jitted(params, opt_state, batch, *key):
-        return step_for(params, opt_state)(params, opt_state, batch, *key)
+        padded = [is_padded_array(x) for x in jax.tree.leaves((params, opt_state))]
+        out = step_for(params, opt_state)(params, opt_state, batch, *key)
+        if any(padded):  # the new arrays are stored as the old ones were
+            for x, was in zip(jax.tree.leaves(out[:2]), padded):
+                if was:
+                    mark_padded(x)
+        return out
 
     jitted.lower = lambda params, opt_state, batch, *key: step_for(params, opt_state).lower(params, opt_state, batch,
                                                                                            *key)

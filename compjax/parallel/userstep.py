@@ -31,7 +31,7 @@ from compjax.parallel.core import (
     load_nnx,
 )
 from compjax.parallel.mesh import check_axis
-from compjax.parallel.placement import put, shard_batch
+from compjax.parallel.placement import is_padded_array, put, shard_batch
 
 
 def _argnums(name: str, value: Any) -> tuple[int, ...]:
@@ -307,7 +307,18 @@ def worker_step(
         jitted = build_step(body, mesh, axis_name, "ccssbk", donate=donate)
 
     def check_layout(args, kinds, gstate, stacked):
-        """Refuse leaves laid out for another step; on a 1-D mesh any sharding beyond the worker axis."""
+        """Refuse leaves laid out for another step; on a 1-D mesh any sharding beyond the worker axis; padded leaves."""
+        for i, a in ((i, a) for i, (a, k) in enumerate(zip(args, kinds)) if k in "gs"):
+            if is_graph_node(a):
+                continue  # nnx_replicate refuses parallel.Padded specs
+            for path, x in jax.tree_util.tree_leaves_with_path(a):
+                if is_padded_array(x):
+                    raise ValueError(
+                        f"argument {i}{jax.tree_util.keystr(path)} is stored padded (a parallel.Padded entry of "
+                        f"its specs, shape {tuple(np.shape(x))} with the worker axis): worker_step would hand it "
+                        "to your step padded, and your model would train the padding. Build the specs with "
+                        "parallel.fsdp_specs(..., pad_min_size=None) (such leaves are then held whole), or train "
+                        "with parallel.data_parallel_step(..., specs=specs), which cuts the padding off")
         if others:
             bad = [why for why in (_misplaced(x, mesh, axis_name) for x in jax.tree.leaves((gstate, stacked))) if why]
         else:
