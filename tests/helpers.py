@@ -107,3 +107,16 @@ def assert_same_params(sharded_params, replicated_params, fast, tol=1e-6):
     got, want = parallel.gather(sharded_params), parallel.gather(replicated_params)
     for k in want:
         np.testing.assert_allclose(got[k], want[k][::fast], rtol=tol, atol=tol, err_msg=k)
+
+
+def battery_problem():
+    """The sharded battery's problem: ``(init, batches)``: ``w1`` (6, 16), ``b1`` (16,), ``w2`` (16, 3), ``b2`` (3,)
+    and a scalar ``s`` (the last two held whole on a fast axis of 4), and five batches of 32 rows."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    init = {"w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.3, jnp.float32), "b1": jnp.zeros(16),
+            "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.3, jnp.float32), "b2": jnp.zeros(3), "s": jnp.zeros(())}
+    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
+               for _ in range(5)]
+    return init, batches

@@ -24,7 +24,7 @@ from registry import CASES
 
 import compjax as cj
 from compjax import parallel
-from tests.helpers import assert_same_params, replicated_and_sharded
+from tests.helpers import assert_same_params, battery_problem, replicated_and_sharded
 
 pytestmark = pytest.mark.slow  # the full tier only (--all): every case on a 2 x 4 mesh, sharded
 
@@ -41,11 +41,7 @@ def loss(p, batch):
 def test_sharded_layout_equals_the_replicated_2d_layout_and_sends_the_payload_once_per_host(name):
     case = CASES[name]
     mesh = parallel.make_2d_mesh(SLOW, FAST)
-    rng = np.random.default_rng(0)
-    init = {"w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.3, jnp.float32), "b1": jnp.zeros(16),
-            "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.3, jnp.float32), "b2": jnp.zeros(3), "s": jnp.zeros(())}
-    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
-               for _ in range(5)]
+    init, batches = battery_problem()
     specs = parallel.fsdp_specs(init, mesh, min_size=1)
     assert [specs[k] for k in ("b2", "s")] == [jax.P(), jax.P()] and all(specs[k] != jax.P() for k in ("w1", "b1", "w2"))
     tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))

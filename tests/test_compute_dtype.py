@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from registry import CASES
 
 import compjax as cj
 from compjax import collectives, parallel
-from registry import CASES
 
 SLOW, FAST = 2, 4
 LR = 0.5
@@ -188,7 +188,7 @@ def test_compute_cast_gradients_reach_tx_in_bfloat16_and_identity_sends_them_so(
             got = {k: v[0] for k, v in parallel.gather(params).items()}
             _close(got, _reference(init, batches, SLOW * FAST), init)
             text = step.lower(params, state, parallel.shard_batch(batches[0], mesh, fast_axis="fast")).as_text()
-            types = re.findall(r'"stablehlo.all_reduce".*?\}\) : \(tensor<\d+x(\w+)>\)', text, flags=re.S)
+            types = re.findall(r'"stablehlo.all_reduce".*?\}\) : \(tensor<\d+x(\w+)>\)', text, flags=re.DOTALL)
             assert "bf16" in types, types  # the slow-axis mean of the gradients, in bfloat16 before XLA:CPU widens it
         else:
             assert grad_seen == {"float32"}
@@ -213,15 +213,11 @@ def test_every_registry_case_takes_bfloat16_gradients_of_float32_parameters(name
     replicated 2-D layouts run, stay finite, keep the parameters and every floating-point state leaf float32 and
     count the same ``payload_bytes``; the two layouts agree within bfloat16 rounding (their fast-axis sums of the
     bfloat16 gradients round in different orders, and a top-k may then pick another entry of equal rank)."""
-    from tests.helpers import replicated_and_sharded
+    from tests.helpers import battery_problem, replicated_and_sharded
 
     case = CASES[name]
     mesh = parallel.make_2d_mesh(SLOW, FAST)
-    rng = np.random.default_rng(0)
-    init = {"w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.3, jnp.float32), "b1": jnp.zeros(16),
-            "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.3, jnp.float32), "b2": jnp.zeros(3), "s": jnp.zeros(())}
-    batches = [(rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 3)).astype(np.float32))
-               for _ in range(5)]
+    init, batches = battery_problem()
     specs = parallel.fsdp_specs(init, mesh, min_size=1)
     tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))
     (rp, rs), (sp, ss), _ = replicated_and_sharded(_battery_loss, tx, init, specs, batches, mesh)

@@ -241,6 +241,32 @@ def test_param_count_matches_docstring(name):
     assert counted == stated == model.NUM_PARAMS[name] == model.num_params(65, **model.config(name))
 
 
+def test_precision_must_be_known():
+    with pytest.raises(ValueError, match="precision"):
+        model.build(MICRO, precision="bf16")
+
+
+@pytest.mark.slow  # two gradients compiled (about 4 s)
+def test_mixed_precision_computes_in_bfloat16_with_float32_parameters():
+    """``precision="mixed"``: the same float32 parameters, bfloat16 matmuls, float32 logits and loss close to the
+    float32 model's, and bfloat16 gradients (compute_cast) close to the float32 ones."""
+    params, _, loss32 = model.build(MICRO)
+    mixed, apply, loss16 = model.build(MICRO, precision="mixed")
+    assert all(a.dtype == b.dtype == jnp.float32 for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mixed)))
+    windows = jax.random.randint(jax.random.key(0), (4, MICRO["seq_len"] + 1), 0, 65)
+    assert jax.eval_shape(apply, mixed, windows[:, :-1]).dtype == jnp.float32
+    dots = {str(v.aval.dtype) for e in jax.make_jaxpr(apply)(mixed, windows[:, :-1]).jaxpr.eqns
+            if e.primitive.name == "dot_general" for v in e.invars}
+    assert dots == {"bfloat16"}, dots
+    l32, g32 = jax.jit(jax.value_and_grad(loss32))(params, windows)
+    l16, g16 = jax.jit(jax.value_and_grad(loss16))(mixed, windows)
+    assert abs(float(l16) - float(l32)) < 0.02, (l16, l32)
+    assert {str(g.dtype) for g in jax.tree.leaves(g16)} == {"bfloat16"}
+    for a, b in zip(jax.tree.leaves(g16), jax.tree.leaves(g32)):
+        scale = float(jnp.max(jnp.abs(b))) + 1e-6
+        assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) < 0.05 * scale
+
+
 def test_tree_layout_groups_blocks():
     params, _, _ = model.build(MICRO | {"n_layers": 3})
     assert sorted(params, key=str) == ["blocks", "head", "ln_f", "pos_embed", "tok_embed"]
@@ -277,6 +303,28 @@ def test_train_synchronous(text):
     assert len(res["step_seconds"]) == 20
     assert res["config"]["devices"] == [d.id for d in jax.devices()[:4]]  # the first 4 of the 8 devices
     assert json.loads(json.dumps(res)) == res
+
+
+@pytest.mark.slow  # trains the testbed sharded on 2 x 4 (about 10 s)
+def test_train_mixed_precision_sharded(text):
+    """``precision="mixed"`` on a 2 x 4 mesh with FSDP: the loss falls as in float32, the parameters stay float32
+    and the transform is handed bfloat16 gradients."""
+    seen = set()
+
+    def make_tx(ax):
+        def record(g, state, params=None):
+            seen.update(str(x.dtype) for x in jax.tree.leaves(g))
+            return g, state
+        return optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), record),
+                           cj.identity(axis_name=ax), optax.sgd(0.1))
+
+    res = run(text, make_tx, mesh="2x4", fsdp=True, precision="mixed", batch_per_worker=2)
+    assert res["config"]["precision"] == "mixed" and seen == {"bfloat16"}
+    loss = res["train_loss"]
+    assert np.all(np.isfinite(loss)) and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.3
+    assert res["val_loss_worker0"][-1] < res["val_loss_worker0"][0] - 0.3
+    with pytest.raises(ValueError, match="precision"):
+        run(text, make_tx, precision="half")
 
 
 @pytest.mark.slow

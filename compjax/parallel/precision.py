@@ -25,6 +25,23 @@ def _floating(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def floating_dtype(value: Any, name: str, *, none_ok: bool = False) -> Any:
+    """``value`` as a floating-point ``jnp.dtype``; a ValueError naming the parameter ``name`` otherwise.
+
+    With ``none_ok``, None is returned as it is (and the message says it is allowed).
+    """
+    if none_ok and value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}a floating-point dtype (jnp.bfloat16, "
+                         f"jnp.float16, jnp.float32), got {value!r}")
+    return dtype
+
+
 def _cast_leaf(dtype: Any):
     @jax.custom_vjp
     def cast(x):
@@ -81,12 +98,5 @@ def compute_cast(tree: Any, dtype: Any = jnp.bfloat16) -> Any:
       >>> jax.grad(lambda w: compute_cast(w).astype(jnp.float32).sum())(w).dtype
       dtype(bfloat16)
     """
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"dtype must be a floating-point dtype (jnp.bfloat16, jnp.float16, jnp.float32), "
-                         f"got {dtype!r}")
-    cast = _cast_leaf(dt)
+    cast = _cast_leaf(floating_dtype(dtype, "dtype"))
     return jax.tree.map(lambda x: cast(x) if _floating(x) else x, tree)

@@ -48,6 +48,7 @@ from compjax.parallel.placement import (
     state_specs,
     unpad_leaves,
 )
+from compjax.parallel.precision import floating_dtype
 
 
 def data_parallel_step(
@@ -219,16 +220,7 @@ def data_parallel_step(
 
 def _check_compute_dtype(compute_dtype: Any) -> Any:
     """``compute_dtype`` as a ``jnp.dtype`` (or None); a ValueError naming it when it is not a floating-point dtype."""
-    if compute_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(compute_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"compute_dtype must be None or a floating-point dtype (jnp.bfloat16, jnp.float16, "
-                         f"jnp.float32), got {compute_dtype!r}")
-    return dtype
+    return floating_dtype(compute_dtype, "compute_dtype", none_ok=True)
 
 
 def to_compute(params: Any, compute_dtype: Any) -> Any:

@@ -40,11 +40,14 @@ Parameter count: ``vocab*d + seq_len*d + n_layers*(12 d^2 + 13 d) + 2d + d*vocab
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from compjax import parallel
 
 #: Model sizes by name: keyword arguments of :class:`CharTransformer` (besides ``vocab`` and ``rngs``).
 CONFIGS = {
@@ -76,9 +79,10 @@ def num_params(vocab: int, *, d_model: int, n_layers: int, seq_len: int, n_heads
     return vocab * d + seq_len * d + n_layers * (12 * d * d + 13 * d) + 2 * d + d * vocab
 
 
-def _linear(din: int, dout: int, rngs: nnx.Rngs, *, std: float = _STD, bias: bool = True) -> nnx.Linear:
+def _linear(din: int, dout: int, rngs: nnx.Rngs, *, std: float = _STD, bias: bool = True,
+            dtype: Any = None) -> nnx.Linear:
     return nnx.Linear(din, dout, use_bias=bias, kernel_init=nnx.initializers.normal(std),
-                      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+                      bias_init=nnx.initializers.zeros_init(), dtype=dtype, rngs=rngs)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -87,10 +91,10 @@ class CausalSelfAttention(nnx.Module):
     ``x`` (B, T, d) -> (B, T, d), float32; ``T`` may be anything.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, resid_std: float, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, n_heads: int, *, resid_std: float, rngs: nnx.Rngs, dtype: Any = None):
         self.n_heads = n_heads
-        self.qkv = _linear(d_model, 3 * d_model, rngs)
-        self.proj = _linear(d_model, d_model, rngs, std=resid_std)
+        self.qkv = _linear(d_model, 3 * d_model, rngs, dtype=dtype)
+        self.proj = _linear(d_model, d_model, rngs, std=resid_std, dtype=dtype)
 
     def __call__(self, x):
         b, t, d = x.shape
@@ -107,9 +111,9 @@ class CausalSelfAttention(nnx.Module):
 class MLP(nnx.Module):
     """``proj(gelu(fc(x)))`` with a hidden width of ``4 d``."""
 
-    def __init__(self, d_model: int, *, resid_std: float, rngs: nnx.Rngs):
-        self.fc = _linear(d_model, 4 * d_model, rngs)
-        self.proj = _linear(4 * d_model, d_model, rngs, std=resid_std)
+    def __init__(self, d_model: int, *, resid_std: float, rngs: nnx.Rngs, dtype: Any = None):
+        self.fc = _linear(d_model, 4 * d_model, rngs, dtype=dtype)
+        self.proj = _linear(4 * d_model, d_model, rngs, std=resid_std, dtype=dtype)
 
     def __call__(self, x):
         return self.proj(jax.nn.gelu(self.fc(x)))
@@ -118,11 +122,11 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``."""
 
-    def __init__(self, d_model: int, n_heads: int, *, resid_std: float, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.attn = CausalSelfAttention(d_model, n_heads, resid_std=resid_std, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.mlp = MLP(d_model, resid_std=resid_std, rngs=rngs)
+    def __init__(self, d_model: int, n_heads: int, *, resid_std: float, rngs: nnx.Rngs, dtype: Any = None):
+        self.ln1 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(d_model, n_heads, resid_std=resid_std, rngs=rngs, dtype=dtype)
+        self.ln2 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(d_model, resid_std=resid_std, rngs=rngs, dtype=dtype)
 
     def __call__(self, x):
         x = x + self.attn(self.ln1(x))
@@ -139,9 +143,12 @@ class CharTransformer(nnx.Module):
       n_heads: attention heads per block.
       seq_len: the longest context (rows of the position embedding).
       rngs: initialisation randomness (``nnx.Rngs(seed)``).
+      dtype: the compute dtype of every layer (None: that of the parameters,
+        float32); the parameters are float32 either way.
 
     Call: ``model(ids)``, ids an integer array of shape ``(B, T)``, ``T <=
-    seq_len``, returns float32 logits of shape ``(B, T, vocab)``; the logits
+    seq_len``, returns logits of shape ``(B, T, vocab)`` (float32, or
+    ``dtype``); the logits
     at position t depend only on ``ids[:, :t + 1]``.
 
     Raises:
@@ -159,7 +166,8 @@ class CharTransformer(nnx.Module):
       112512
     """
 
-    def __init__(self, vocab: int, *, d_model: int, n_layers: int, n_heads: int, seq_len: int, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, *, d_model: int, n_layers: int, n_heads: int, seq_len: int, rngs: nnx.Rngs,
+                 dtype: Any = None):
         if min(vocab, d_model, n_layers, n_heads, seq_len) < 1:
             raise ValueError(f"sizes must be >= 1: vocab={vocab} d_model={d_model} n_layers={n_layers} "
                              f"n_heads={n_heads} seq_len={seq_len}")
@@ -167,12 +175,13 @@ class CharTransformer(nnx.Module):
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.seq_len = seq_len
         embed_init = nnx.initializers.normal(_STD)
-        self.tok_embed = nnx.Embed(vocab, d_model, embedding_init=embed_init, rngs=rngs)
-        self.pos_embed = nnx.Embed(seq_len, d_model, embedding_init=embed_init, rngs=rngs)
+        self.tok_embed = nnx.Embed(vocab, d_model, embedding_init=embed_init, dtype=dtype, rngs=rngs)
+        self.pos_embed = nnx.Embed(seq_len, d_model, embedding_init=embed_init, dtype=dtype, rngs=rngs)
         resid_std = _STD / math.sqrt(2 * n_layers)
-        self.blocks = nnx.List([Block(d_model, n_heads, resid_std=resid_std, rngs=rngs) for _ in range(n_layers)])
-        self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
-        self.head = _linear(d_model, vocab, rngs, bias=False)
+        self.blocks = nnx.List([Block(d_model, n_heads, resid_std=resid_std, rngs=rngs, dtype=dtype)
+                                for _ in range(n_layers)])
+        self.ln_f = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.head = _linear(d_model, vocab, rngs, bias=False, dtype=dtype)
 
     def __call__(self, ids):
         t = ids.shape[-1]
@@ -209,7 +218,13 @@ def block_index(path) -> int | None:
     return None
 
 
-def build(model_config: str | dict = "tiny", vocab: int = 65, seed: int = 0):
+#: ``fp32``: parameters and compute in float32.  ``mixed``: float32 (master) parameters, the model run on their
+#: bfloat16 copy (:func:`compjax.parallel.compute_cast`: activations, matmuls and the gradient in bfloat16), the
+#: logits and the loss in float32.
+PRECISIONS = ("fp32", "mixed")
+
+
+def build(model_config: str | dict = "tiny", vocab: int = 65, seed: int = 0, precision: str = "fp32"):
     """A :class:`CharTransformer` as ``(params, apply, loss_fn)`` on pure pytrees.
 
     Args:
@@ -217,6 +232,9 @@ def build(model_config: str | dict = "tiny", vocab: int = 65, seed: int = 0):
         :class:`CharTransformer` keyword arguments.
       vocab: vocabulary size.
       seed: seeds the initialisation (``nnx.Rngs(seed)``).
+      precision: one of :data:`PRECISIONS`; ``"mixed"`` runs the model on
+        ``compjax.parallel.compute_cast(params)`` (bfloat16) and gives
+        bfloat16 gradients of the float32 parameters.
 
     Returns:
       params: nested dict of float32 arrays (the layout of the module
@@ -227,16 +245,21 @@ def build(model_config: str | dict = "tiny", vocab: int = 65, seed: int = 0):
         targets ``windows[..., 1:]``, every position counted once).
 
     Raises:
-      ValueError: an unknown config name, or invalid sizes.
+      ValueError: an unknown config name or ``precision``, or invalid sizes.
     """
-    net = CharTransformer(vocab, **config(model_config), rngs=nnx.Rngs(seed))
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    net = CharTransformer(vocab, **config(model_config), rngs=nnx.Rngs(seed),
+                          dtype=jnp.bfloat16 if precision == "mixed" else None)
     graphdef, state = nnx.split(net, nnx.Param)  # every Variable is a Param (no dropout, no RNG state)
     params = nnx.to_pure_dict(state)
 
     def apply(p, ids):
+        if precision == "mixed":
+            p = parallel.compute_cast(p)  # the bfloat16 compute copy; the gradient stays bfloat16
         s = nnx.State(state)  # a fresh container per call: tracing never mutates the template
         nnx.replace_by_pure_dict(s, p)
-        return nnx.merge(graphdef, s)(ids)
+        return nnx.merge(graphdef, s)(ids).astype(jnp.float32)
 
     def loss_fn(p, windows):
         windows = windows.reshape(-1, windows.shape[-1])

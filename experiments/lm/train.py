@@ -97,6 +97,7 @@ def train(
     text: str | None = None,
     mesh: str | None = None,
     fsdp: bool = False,
+    precision: str = "fp32",
 ) -> dict:
     """Train :class:`~experiments.lm.model.CharTransformer` on ``workers`` data-parallel workers.
 
@@ -130,6 +131,10 @@ def train(
         compressed over SLOW; the transform is built with the slow axis.
       fsdp: with ``mesh``, parameters and optimizer state sharded over FAST
         (``parallel.fsdp_specs``): the same numbers, 1/FAST of the state per device.
+      precision: ``"fp32"`` or ``"mixed"`` (:data:`experiments.lm.model.PRECISIONS`):
+        float32 parameters and optimizer state either way; ``"mixed"`` computes
+        in bfloat16 and hands the transform bfloat16 gradients
+        (``compjax.parallel.compute_cast``; ``cj.identity`` then sends bfloat16).
 
     Returns:
       A JSON-serialisable dict:
@@ -186,6 +191,8 @@ def train(
         raise ValueError(f"seq_len={seq_len} is longer than the model's context {cfg['seq_len']}")
     if fsdp and mesh is None:
         raise ValueError("fsdp=True shards over the fast axis of a 2-D mesh: give mesh='SLOWxFAST' too")
+    if precision not in model.PRECISIONS:
+        raise ValueError(f"precision must be one of {model.PRECISIONS}, got {precision!r}")
     fast_axis, mesh_text = (None, None) if mesh is None else (FAST, mesh)
     if mesh is None:
         mesh = parallel.make_mesh(workers, AXIS)  # the first `workers` devices
@@ -202,7 +209,7 @@ def train(
     train_tokens, val_tokens = data.split(vocab.encode(text))
     val = jnp.asarray(data.eval_windows(val_tokens, eval_batches, workers * batch_per_worker, seq_len))
 
-    params, _, loss_fn = model.build(cfg, vocab.size, seed)
+    params, _, loss_fn = model.build(cfg, vocab.size, seed, precision)
     num_params = sum(int(x.size) for x in jax.tree.leaves(params))
     tx = make_tx(AXIS)
     specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST) if fsdp else None
@@ -217,7 +224,8 @@ def train(
     config = {"model_config": cfg, "steps": steps, "workers": workers, "batch_per_worker": batch_per_worker,
               "seq_len": seq_len, "eval_every": eval_every, "eval_batches": eval_batches, "seed": seed,
               "num_params": num_params, "vocab": vocab.size, "backend": jax.default_backend(),
-              "devices": [int(d.id) for d in mesh.devices.flat], "mesh": mesh_text, "fsdp": bool(fsdp)}
+              "devices": [int(d.id) for d in mesh.devices.flat], "mesh": mesh_text, "fsdp": bool(fsdp),
+              "precision": precision}
     res = {"config": config, "train_loss": [], "payload_bytes": [], "payload_counted": payload_counted,
            "eval_step": [], "val_loss_worker0": [], "val_loss_mean": [], "val_loss_global": [] if diloco else None,
            "param_spread": [], "step_seconds": []}
@@ -272,6 +280,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--mesh", default=None, help="SLOWxFAST (e.g. 2x4): dense over FAST, compressed over SLOW")
     ap.add_argument("--fsdp", action="store_true", help="with --mesh: shard parameters and state over FAST")
+    ap.add_argument("--precision", default="fp32", choices=model.PRECISIONS,
+                    help="mixed: float32 parameters and state, bfloat16 compute and gradients")
     ap.add_argument("--batch-per-worker", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
@@ -290,7 +300,7 @@ def main(argv=None) -> dict:
                 model_config=args.model, steps=args.steps, workers=args.workers,
                 batch_per_worker=args.batch_per_worker, seq_len=args.seq_len, eval_every=args.eval_every,
                 eval_batches=args.eval_batches, seed=args.seed, log=lambda m: print(m, flush=True),
-                mesh=args.mesh, fsdp=args.fsdp)
+                mesh=args.mesh, fsdp=args.fsdp, precision=args.precision)
     after = res["step_seconds"][1:] or res["step_seconds"]
     print(f"{res['config']['num_params']:,} params | first step {res['step_seconds'][0]:.2f} s | "
           f"median step {np.median(after) * 1e3:.1f} ms | wall {res['wall_s']:.1f} s | "
