@@ -39,7 +39,14 @@ from compjax.parallel.core import (
     warn_no_exchange,
 )
 from compjax.parallel.mesh import check_axis
-from compjax.parallel.placement import checked_leaf_specs, gather, shard_batch, stack_copies, state_specs
+from compjax.parallel.placement import (
+    SEVERAL_AXES_HINT,
+    checked_leaf_specs,
+    gather,
+    shard_batch,
+    stack_copies,
+    state_specs,
+)
 from compjax.parallel.userstep import worker_step
 
 
@@ -69,7 +76,8 @@ def nnx_replicate(mesh: Mesh, *nodes: Any, axis_name: str = "data", specs: Any =
         worker's values.
       axis_name: the data axis (the slow axis of a 2-D mesh).
       specs: sharded parameters (FSDP): a tree like ``nnx.state(nodes[0])``
-        (the model) of ``PartitionSpec`` over one fast mesh axis, e.g.
+        (the model) of ``PartitionSpec`` over one fast mesh axis (or over
+        several, e.g. ``P('fsdp', 'tensor')``, for :func:`worker_step` only), e.g.
         ``parallel.fsdp_specs(nnx.state(model), mesh)`` or, to honour
         ``nnx.with_partitioning`` annotations,
         ``nnx.get_partition_spec(nnx.state(model))``.  Each model Variable
@@ -131,7 +139,7 @@ def _nnx_leaf_specs(nodes: Sequence, specs: Any, mesh: Mesh, axis_name: str) -> 
     model = nodes[0]
     mstate = nnx.state(model)
     by_id = {id(v): s for v, s in zip(jax.tree.leaves(mstate, is_leaf=is_var),
-                                      checked_leaf_specs(mstate, specs, mesh, axis_name))}
+                                      checked_leaf_specs(mstate, specs, mesh, axis_name, several=True))}
     for node in nodes[1:]:
         if not isinstance(node, nnx.Optimizer):
             continue
@@ -328,6 +336,9 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                                  f"{axis_name!r} of this mesh: replicate model and optimizer together with "
                                  f"parallel.nnx_replicate(mesh, model, optimizer, axis_name={axis_name!r}[, specs=...])")
             own = [d for d, e in enumerate(spec[1:]) if e is not None]
+            if len(own) > 1 or (own and isinstance(spec[1 + own[0]], tuple) and len(spec[1 + own[0]]) > 1):
+                raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over several axes: "
+                                 f"{SEVERAL_AXES_HINT}")
             if own and spec[1 + own[0]] not in (fast_axis, (fast_axis,)):
                 raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over another axis "
                                  f"than fast_axis={fast_axis!r}")

@@ -282,7 +282,8 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
         Ignored with ``specs``.
       specs: sharded parameters: a tree like ``tree`` of ``PartitionSpec``s
         (or None, a leaf held whole) over each leaf's own dimensions, naming one
-        fast mesh axis (:func:`fsdp_specs`).  The worker axis then runs over
+        fast mesh axis (:func:`fsdp_specs`), or several for :func:`worker_step`
+        (a model's own annotations on a mesh such as ``(data, fsdp, tensor)``).  The worker axis then runs over
         ``axis_name`` only and leaf ``x`` is placed ``P(axis_name, *spec)``: each
         device holds ``1/fast`` of it.  A :class:`Padded` entry stores its leaf
         (of the entry's logical ``shape``) padded with zeros to ``padded_shape``.
@@ -296,7 +297,7 @@ def replicate(tree: Any, mesh: Mesh, axis_name: str = "data", *, fast_axis: str 
       ValueError: bad ``specs`` (see :func:`fsdp_specs` for the rules), named by leaf.
     """
     if specs is not None:
-        leaf_specs = checked_leaf_specs(tree, specs, mesh, axis_name, padded=True)
+        leaf_specs = checked_leaf_specs(tree, specs, mesh, axis_name, padded=True, several=True)
         leaves, treedef = jax.tree.flatten(tree)
         stored = [stack_copies(pad(x, spec), mesh, axis_name, None, as_spec(spec)) for x, spec in zip(leaves, leaf_specs)]
         return jax.tree.unflatten(treedef, [mark_padded(x) if isinstance(spec, Padded) else x
@@ -425,7 +426,9 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
     Args:
       tx: the optimizer (its ``init`` is only traced, nothing is allocated).
       params: the logical parameters without the worker axis (arrays or ``jax.ShapeDtypeStruct``).
-      specs: a tree like ``params`` of ``PartitionSpec``, :class:`Padded` (or None), one fast axis.
+      specs: a tree like ``params`` of ``PartitionSpec``, :class:`Padded` (or None): one fast axis, or
+        several (a model's own annotations, e.g. ``P('fsdp', 'tensor')``, for :func:`worker_step`; a state
+        leaf is then sharded like the parameter it is shaped like).
       mesh: the mesh the specs refer to.
 
     Returns:
@@ -434,7 +437,10 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
     Raises:
       ValueError: bad ``specs`` (see :func:`replicate`).
     """
-    leaf_specs = checked_leaf_specs(params, specs, mesh, None, padded=True)
+    leaf_specs = checked_leaf_specs(params, specs, mesh, None, padded=True, several=True)
+    groups = _spec_groups(leaf_specs, mesh)
+    if len(groups) > 1 or any(isinstance(g, tuple) for g in groups):
+        return _several_axes_state_specs(tx, params, leaf_specs, groups)
     dims, fast = shard_dims(leaf_specs)
     leaves, treedef = jax.tree.flatten(params)
     real = [jax.ShapeDtypeStruct(e.shape if isinstance(e, Padded) else tuple(np.shape(x)), jnp.result_type(x))
@@ -470,6 +476,51 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
     return jax.tree.unflatten(jax.tree.structure(state), out)
 
 
+def _spec_groups(leaf_specs: Sequence, mesh: Mesh) -> dict:
+    """The sharding entries the specs use (an axis name, or a tuple of several for one dimension) -> their size."""
+    groups = {}
+    for spec in map(as_spec, leaf_specs):
+        for entry in tuple(spec) if spec is not None else ():
+            if entry is not None:
+                key = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+                groups[key] = int(np.prod([mesh.shape[a] for a in (key if isinstance(key, tuple) else (key,))]))
+    return groups
+
+
+def _several_axes_state_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: Sequence,
+                              groups: dict) -> Any:
+    """:func:`state_specs` for specs over several axes (no :class:`Padded` entry: those name one axis).
+
+    For each sharding entry in turn, ``tx.init`` is evaluated abstractly on
+    the parameters with only the dimensions that entry shards divided by its
+    size (:func:`compjax.layout.scaled_dims`): a state leaf that scales along
+    a dimension then is sharded along it by that entry.  A state leaf two
+    entries would shard along the same dimension is held whole.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    whole = [jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x)) for x in leaves]
+    state = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, whole))
+    found: list[dict] = [{} for _ in jax.tree.leaves(state)]
+    for key, size in groups.items():
+        shards = []
+        for w, spec in zip(whole, map(as_spec, leaf_specs)):
+            entries = [(e[0] if isinstance(e, tuple) and len(e) == 1 else e) for e in (tuple(spec) if spec else ())]
+            shape = tuple(n // size if d < len(entries) and entries[d] == key else n for d, n in enumerate(w.shape))
+            shards.append(jax.ShapeDtypeStruct(shape, w.dtype))
+        dims = layout.scaled_dims(tx.init, jax.tree.unflatten(treedef, whole), jax.tree.unflatten(treedef, shards),
+                                  size)
+        for at, d in zip(found, dims):
+            if d is not None:
+                at.setdefault(d, []).append(key)
+    out = []
+    for at in found:
+        if not at or any(len(keys) > 1 for keys in at.values()):
+            out.append(P())
+        else:
+            out.append(P(*[at[d][0] if d in at else None for d in range(max(at) + 1)]))
+    return jax.tree.unflatten(jax.tree.structure(state), out)
+
+
 def _spec_leaves(specs: Any, treedef: Any) -> list:
     """``specs`` flattened against ``treedef`` (PartitionSpec and None leaves)."""
     try:
@@ -484,12 +535,23 @@ def stacked_spec(axes: Any, spec: P | None) -> P:
     return P(axes) if spec is None else P(axes, *tuple(spec))
 
 
-def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, padded: bool = False) -> list:
+#: Why the sharded step builders take one fast axis, and where a model annotated over several goes.
+SEVERAL_AXES_HINT = ("data_parallel_step and nnx_data_parallel_step shard over one fast axis; a model annotated "
+                     "over several mesh axes (e.g. P('fsdp', 'tensor') on a (data, fsdp, tensor) mesh) trains "
+                     "through parallel.worker_step, whose layout helpers (replicate, init_worker_state, "
+                     "state_specs) take such specs")
+
+
+def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, padded: bool = False,
+                       several: bool = False) -> list:
     """``specs`` checked against ``tree`` and ``mesh``: one ``PartitionSpec``, :class:`Padded` or None per leaf.
 
     With ``padded`` a :class:`Padded` entry is taken: its leaf has the entry's
     logical ``shape`` or its ``padded_shape``, and its spec is checked against
-    the padded shape.
+    the padded shape.  With ``several`` the specs may name several axes
+    besides the worker axis, in several dimensions of a leaf or together in
+    one (a model's own annotations, for :func:`compjax.parallel.worker_step`);
+    a :class:`Padded` entry still names one.
 
     Raises:
       ValueError: a spec naming an axis not in the mesh, the worker axis, an
@@ -532,23 +594,27 @@ def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, pad
                     raise ValueError(f"specs{name} = {spec} shards over axis {ax!r} twice")
                 seen.append(ax)
                 fast.add(ax)
-            if isinstance(entry, tuple) and len(entry) > 1:
+            if isinstance(entry, tuple) and len(entry) > 1 and not several:
                 raise ValueError(f"specs{name} = {spec} shards dimension {dim} over several axes {entry}: "
-                                 "one fast axis per dimension")
-            for ax in (entry if isinstance(entry, tuple) else (entry,)) if entry is not None else ():
-                if shape[dim] % mesh.shape[ax]:
-                    raise ValueError(f"specs{name} = {spec} shards dimension {dim} of shape {shape} over {ax!r} "
-                                     f"of size {mesh.shape[ax]}, which does not divide it: shard another "
+                                 f"one fast axis per dimension ({SEVERAL_AXES_HINT})")
+            if entry is not None:
+                axes = entry if isinstance(entry, tuple) else (entry,)
+                size = int(np.prod([mesh.shape[ax] for ax in axes]))
+                if shape[dim] % size:
+                    where = repr(axes[0]) if len(axes) == 1 else str(axes)
+                    raise ValueError(f"specs{name} = {spec} shards dimension {dim} of shape {shape} over {where} "
+                                     f"of size {size}, which does not divide it: shard another "
                                      "dimension or keep the leaf whole (None), as fsdp_specs does")
-        if len(seen) > 1:
-            raise ValueError(f"specs{name} = {spec} shards over several axes {tuple(seen)}: one fast axis only")
+        if len(seen) > 1 and (not several or isinstance(given, Padded)):
+            raise ValueError(f"specs{name} = {spec} shards over several axes {tuple(seen)}: one fast axis only "
+                             f"({SEVERAL_AXES_HINT}; a parallel.Padded entry names one axis)")
         if isinstance(given, Padded):
             d, size = given.dim, mesh.shape[seen[0]]
             if given.padded_shape[d] != -(-given.shape[d] // size) * size:
                 raise ValueError(f"specs{name} = {given} pads dimension {d} to {given.padded_shape[d]}: the next "
                                  f"multiple of the fast size {size} is {-(-given.shape[d] // size) * size}")
-    if len(fast) > 1:
-        raise ValueError(f"specs shard over several axes {sorted(fast)}: one fast axis only")
+    if len(fast) > 1 and not several:
+        raise ValueError(f"specs shard over several axes {sorted(fast)}: one fast axis only ({SEVERAL_AXES_HINT})")
     return leaves
 
 
