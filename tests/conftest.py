@@ -1,9 +1,24 @@
-"""Test fixtures.  The 8 simulated CPU devices are set up by the root ``conftest.py`` before JAX starts."""
+"""Test fixtures.  The 8 simulated CPU devices are set up by the root ``conftest.py`` before JAX starts.
+
+XLA:CPU (jaxlib 0.10.2) runs each device's part of a program, and each launch of a program, on one pool of
+``max(PJRT_NPROC or the cores, devices)`` threads, and a launch that finds a device at its limit of programs
+in flight waits for room on its pool thread.  With as many threads as devices, such a launch can hold the
+thread that one device's part of an earlier program with collectives needs: the other devices wait in its
+rendezvous for a device that never starts, and XLA aborts the process after 40 s ("Termination timeout for
+`all gather ...` ... only 3 of them arrived").  It happened when a test built a model (dozens of small
+programs) right after dispatching sharded steps without waiting for them.  Twice as many threads as devices
+leave every device of a program a thread even while each device's launch waits.  The variable is read when
+JAX's CPU client starts, after this file is loaded.
+"""
+
+import os
+
+NUM_WORKERS = 8  # the devices the root conftest.py asks for
+
+os.environ.setdefault("PJRT_NPROC", str(2 * NUM_WORKERS))
 
 import jax
 import pytest
-
-NUM_WORKERS = 8  # the devices the root conftest.py asks for
 
 jax.config.update("jax_enable_x64", False)
 

@@ -267,8 +267,13 @@ def test_a_restarted_syncer_resumes_bit_identical_to_its_checkpoint_and_learners
     step = int(again.text().split("restored step ")[1].split()[0])
     for lrn in learners:
         lrn.wait_for("the syncer restarted", f"{lrn.log_path.stem} noticing the restart")
-    for lrn in learners:  # the welcome's refusals are taken between the learner's steps: wait for them
-        lrn.wait_for("syncer restarted: resuming", f"{lrn.log_path.stem} resuming from the restarted syncer")
+    # The welcome's refusal is received on the transport's thread ("syncer restarted: resuming"), then taken by
+    # the learner's training thread before its next step, which records it in its stats and logs "the syncer
+    # refused fragment 0: syncer restarted".  Wait for that second line: with the stop file touched between the
+    # two (the merges below can be done already), the learner would end without having taken it.
+    for lrn in learners:
+        lrn.wait_for("the syncer refused fragment 0: syncer restarted",
+                     f"{lrn.log_path.stem} taking the restarted syncer's model")
     again.wait_for("merged fragment", "merges after the restart", count=3)
     (tmp_path / "stop").touch()
     for lrn in learners:
