@@ -270,6 +270,31 @@ def _over_parts(collective: Callable, x: jnp.ndarray, auto: tuple) -> tuple[jnp.
     return y.reshape(y.shape[:-1] + x.shape), jax.ShapeDtypeStruct(flat.shape, flat.dtype)
 
 
+def rows_over_worker_devices(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+    """``x`` laid out with its first dimension over the devices of its worker, where XLA lays out the worker's step.
+
+    Under a ``jax.shard_map`` manual over the worker axis only
+    (:func:`compjax.parallel.worker_step` on a mesh with more axes), XLA
+    propagates the model's shardings into a compressor's arithmetic.  A layer
+    sharded over two axes in two dimensions (``P('fsdp', 'tensor')``) reaches
+    chunk top-k's per-tile selection with a layout on which XLA:CPU's SPMD
+    partitioner (jaxlib 0.10.2) aborts (a check failure partitioning the
+    gather); with the tiles' rows over the worker's devices it does not.
+    Only the layout inside the worker changes, not the values.  Elsewhere (no
+    such region, or a first dimension the devices do not divide) ``x`` as it is.
+    """
+    auto = _auto_axes(axis_name)
+    if not auto or x.ndim == 0:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1
+    for a in auto:
+        size *= int(mesh.shape[a])
+    if int(x.shape[0]) % size:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(auto))
+
+
 def reduce_bytes(x: jnp.ndarray) -> int:
     """Bytes one worker puts into an all-reduce (sum or max) of ``x`` (a Python int, exact at any size).
 

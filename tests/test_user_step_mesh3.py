@@ -23,9 +23,7 @@ from tests.helpers import AXIS
 from tests.test_user_step_2d import batches, cross_host, init_params, loss_fn, nnx_loss, nnx_train_step, user_step
 
 SPECS = {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"), "b": P()}
-#: Both fast axes together on one dimension of each kernel.  SparseLoCo takes these: with SPECS (a kernel
-#: sharded over two axes in two dimensions), XLA:CPU's SPMD partitioner (jaxlib 0.10.2) aborts on chunk top-k's
-#: per-tile gather (``Check failed: partition_group_list...`` in ExpandDeviceGroupsWithIota).
+#: Both fast axes together on one dimension of each kernel.
 MERGED = {"w1": P(("fsdp", "tensor"), None), "w2": P(None, ("fsdp", "tensor")), "b": P()}
 TXS = {
     "topk": lambda: optax.chain(cj.topk(0.05, axis_name=AXIS), optax.adam(1e-2)),
@@ -64,13 +62,15 @@ def test_state_specs_shard_the_state_like_the_parameters_over_several_axes():
 
 
 @pytest.mark.slow  # a 2 x 2 x 2 program and its 1-D reference (5-20 s)
-@pytest.mark.parametrize("name", ["topk", "sparseloco"])
-def test_a_model_annotated_over_fsdp_and_tensor_trains_through_worker_step(name):
+@pytest.mark.parametrize("name,layout", [("topk", "two_dims"), ("sparseloco", "two_dims"), ("sparseloco", "one_dim")])
+def test_a_model_annotated_over_fsdp_and_tensor_trains_through_worker_step(name, layout):
     """Three steps on 2 x 2 x 2 equal the 1-D reference (1e-6); each device keeps its quarter of w1 and w2 (and
     of their state) in the layout the annotations give; summed over a host's four devices, the collectives
-    reaching the other host carry exactly payload_bytes, all of them compjax's."""
+    reaching the other host carry exactly payload_bytes, all of them compjax's.  (SparseLoCo with kernels over
+    two axes in two dimensions made XLA:CPU's partitioner abort on chunk top-k's per-tile gather until the tiles
+    were laid out by rows: collectives.rows_over_worker_devices.)"""
     mesh, tx = mesh3(), TXS[name]()
-    specs = SPECS if name == "topk" else MERGED
+    specs = SPECS if layout == "two_dims" else MERGED
     params = init_params()
     p = parallel.replicate(params, mesh, specs=specs)
     s = parallel.init_worker_state(tx, params, mesh, specs=specs)
@@ -82,7 +82,7 @@ def test_a_model_annotated_over_fsdp_and_tensor_trains_through_worker_step(name)
     assert loss.shape == (2,)
     spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # trailing Nones spelt out
     assert spec(p["w1"]) == (AXIS, *specs["w1"], None)[:3] and spec(p["w2"]) == (AXIS, *specs["w2"])
-    assert p["w1"].addressable_shards[0].data.shape == ((1, 8, 32) if name == "topk" else (1, 4, 64))
+    assert p["w1"].addressable_shards[0].data.shape == ((1, 8, 32) if layout == "two_dims" else (1, 4, 64))
     moments = s[0].residual if name == "topk" else s.inner.inner_state[0].mu
     assert spec(moments["w1"]) == spec(p["w1"])
     want, payload = one_device_per_worker(TXS[name](), 3)

@@ -248,7 +248,7 @@ def chunktopk(
             t = ck.tile(p.astype(jnp.float32), lay)
             if dct:
                 t = ck.dct_tiles(t, lay)
-            idx, val = ck.topk_rows(t, pl.k)
+            idx, val = ck.topk_rows(collectives.rows_over_worker_devices(t, ctx.axis_name), pl.k)
             if cut is not None:  # the host's kept entries, in the layer's tile order: the layer's payload
                 idx, val = cut.layer_order(idx), cut.layer_order(val)
             if pl.ibits:
