@@ -802,7 +802,7 @@ def sparse_mean(
 
 def sparse_mean_segments(
     indices: jnp.ndarray, values: jnp.ndarray, segments: Sequence[tuple[int, int, int, int]], axis_name: AxisName,
-    *, maps: Sequence[Callable | None] | None = None,
+    *, maps: Sequence[Callable | None] | None = None, dtypes: Sequence | None = None,
 ) -> tuple[list[jnp.ndarray], int]:
     """:func:`sparse_mean` scatter-added into several dense buffers, one per segment of the pairs.
 
@@ -822,10 +822,18 @@ def sparse_mean_segments(
         index`` (int32 arrays), indices at or past ``size`` dropped (e.g. the
         pairs that fall in this device's shard of a layer, the others mapped
         past its end); None entries: ``index - base`` as it is.
+      dtypes: one dtype per segment, or None: each mean is cast to its dtype
+        as soon as it is made, and the next segment's buffer is made after
+        that cast (its zero reads one word of it; with ``maps``, among the
+        segments with a map only), so that one buffer in
+        ``values.dtype`` exists at a time (e.g. float32 sums of layers whose
+        gradients are bfloat16; left alone, XLA may make every buffer before
+        it casts any).
 
     Returns:
       ``(means, payload_bytes)``: one dense ``(size,)`` mean over workers per
-      segment, in ``values.dtype``, and ``k * (4 + itemsize)`` bytes.
+      segment, in ``values.dtype`` (``dtypes[s]`` when given), and
+      ``k * (4 + itemsize)`` bytes.
 
     Raises:
       ValueError: ``indices`` and ``values`` not 1-D of the same shape, or a
@@ -857,15 +865,27 @@ def sparse_mean_segments(
         indices, values = indices[None], values[None]
     if n != 1:  # divide the k n pairs, not the dense buffers: no extra pass over them
         values = values / jnp.asarray(n, values.dtype)
-    means = []
+    if dtypes is not None and len(dtypes) != len(segments):
+        raise ValueError(f"one dtype per segment: {len(segments)} segments, {len(dtypes)} dtypes")
+    means, prev = [], None
     for s, (lo, hi, base, size) in enumerate(segments):
         fn = maps[s] if maps is not None else None
         at = (indices[:, lo:hi] - base).reshape(-1)
-        buf = _zeros(size, values.dtype, indices[0, min(lo, k - 1)])
+        tag = indices[0, min(lo, k - 1)]
+        # With maps, only the mapped segments wait for each other: their means vary over the same mesh axes
+        # (a 0 read from a shard's mean would type an unmapped segment's mean as varying over the fast axis).
+        chained = dtypes is not None and (maps is None or fn is not None)
+        if chained and prev is not None:  # after the previous mean's cast (a 0 read from it)
+            token = _after_token(prev)
+            tag = tag if token is None else tag + token.astype(tag.dtype)
+        buf = _zeros(size, values.dtype, tag)
         if fn is None:
-            means.append(buf.at[at].add(values[:, lo:hi].reshape(-1)))
+            mean = buf.at[at].add(values[:, lo:hi].reshape(-1))
         else:
-            means.append(buf.at[fn(at)].add(values[:, lo:hi].reshape(-1), mode="drop"))
+            mean = buf.at[fn(at)].add(values[:, lo:hi].reshape(-1), mode="drop")
+        mean = mean if dtypes is None else mean.astype(dtypes[s])
+        prev = mean if chained else prev
+        means.append(mean)
     return means, nbytes
 
 

@@ -69,6 +69,62 @@ def dgc_stages(ratio: float, warmup_steps: int) -> tuple[tuple[int, float], ...]
     return tuple(out)
 
 
+def _momentum(u: jnp.ndarray, g: jnp.ndarray, momentum, nesterov: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """DGC's momentum correction of one layer: ``(new u, what v accumulates)`` in ``u``'s dtype (Eq. 5)."""
+    if nesterov:
+        u = (momentum * (u + g)).astype(u.dtype)
+        return u, (u + g).astype(u.dtype)
+    u = (momentum * u + g).astype(u.dtype)
+    return u, u
+
+
+def _corrected(us: list, vs: list, gs: list, momentum, nesterov: bool, skip, count) -> tuple[list, list]:
+    """``u <- m u + g`` and ``v <- v + u`` (Nesterov: as in :func:`_momentum`) of every layer, in place.
+
+    Each layer is updated in a loop of one trip (none on a skipped step,
+    ``skip`` true: ``u`` and ``v`` stay as they are) carrying ``(u, v)``: a
+    loop's carry is written where it lies, so the new ``u`` and ``v`` go into
+    the (donated) buffers of the old ones, and the passes after it (the
+    selection's, the masking) read them there.  Computed as plain
+    expressions, XLA fuses the new ``v`` into every pass that reads it and
+    keeps the old ``u``, ``v`` and the gradient alive beside a copy of the
+    new ones (a whole model's velocity and accumulation in float32 more).
+    Each layer's loop starts after the one before ends (its trip count reads
+    one entry of the previous ``v``): one layer's buffers in flight at a time.
+    """
+    if skip is None:
+        trips = 1 + jnp.minimum(count, 0)  # 1, not known to the compiler (count >= 0): the loop stays
+    else:
+        trips = jnp.where(skip, 0, 1 + jnp.minimum(count, 0))
+    trips = trips.astype(jnp.int32)
+
+    def step(g):
+        def body(i, carry):
+            u, v = carry
+            # Through a barrier with the trip index: the gradient is read (and widened to u's dtype) inside the
+            # loop's pass, not hoisted out of the loop as a float32 copy of it.
+            x, _ = jax.lax.optimization_barrier((g, i))
+            u, inc = _momentum(u, x, momentum, nesterov)
+            return u, (v + inc).astype(v.dtype)
+
+        return body
+
+    out_u, out_v = [], []
+    for u, v, g in zip(us, vs, gs):
+        u, v = jax.lax.fori_loop(0, trips, step(g), (u, v))
+        out_u.append(u)
+        out_v.append(v)
+        # The next layer's trip count waits for this layer's v (one word of it: always 0 added).
+        trips = trips + _zero_after(v)
+    return out_u, out_v
+
+
+def _zero_after(x: jnp.ndarray) -> jnp.ndarray:
+    """An int32 0 that XLA can only compute after ``x`` (from one word of it)."""
+    word = jax.lax.bitcast_convert_type(jnp.ravel(x)[0].astype(jnp.float32), jnp.uint32)
+    return jnp.minimum(word, jnp.uint32(0)).astype(jnp.int32)
+
+
 def _stage_index(count: jnp.ndarray, stages) -> jnp.ndarray:
     starts = jnp.asarray([s for s, _ in stages[1:]], jnp.int32)
     return jnp.sum(count >= starts).astype(jnp.int32)
@@ -151,11 +207,13 @@ def dgc(
     the threshold is moved until ``k`` to ``1.5 k + 64`` entries pass, then the
     exact ``k``-th magnitude among them is found -- exactly ``k`` entries, equal
     to exact top-k whenever the threshold settles; no sort of the layer); with
-    ``sample_ratio=None``, exact ``jax.lax.top_k``.  The momentum correction,
-    the accumulation and the threshold's flag pass are elementwise over the
-    same entries, written so that XLA may fuse them, but XLA:CPU runs them as
-    three passes (the new ``u``, the new ``v``, then the flags, which read
-    ``v``); masking writes zeros at the ``k`` indices.  Every layer is
+    ``sample_ratio=None``, exact ``jax.lax.top_k``.  The momentum correction
+    and the accumulation update ``u`` and ``v`` in place, layer after layer
+    (gradients in any float dtype, e.g. bfloat16, are widened to the state's
+    dtype inside that pass: ``u`` and ``v`` keep the parameters' dtype); the
+    selection's passes read the new ``v`` where it lies, masking writes zeros
+    at the ``k`` indices, and each layer's mean is cast to its gradient's
+    dtype as soon as it is summed.  Every layer is
     sparsified unless ``sparsify_vectors=False`` (the authors' code sends
     vectors dense).
     Indices and values travel in one int32 and one value all-gather per step
@@ -232,24 +290,22 @@ def dgc(
                                 + collectives.sum_over_fast(optax.tree.norm(cut, squared=True)))
             scale = jnp.where(norm > bound, bound / jnp.where(norm > 0, norm, 1.0), 1.0)
             gs = [x * scale.astype(x.dtype) for x in gs]
-        us, vs = fields["velocity"], fields["accumulator"]
-        if nesterov:
-            us = [(momentum * (u + x)).astype(u.dtype) for u, x in zip(us, gs)]
-            incs = [u + x for u, x in zip(us, gs)]
-        else:
-            us = [(momentum * u + x).astype(u.dtype) for u, x in zip(us, gs)]
-            incs = list(us)
+        us, vs = list(fields["velocity"]), list(fields["accumulator"])
         skip = ctx.skip
-        if skip is not None:  # a skipped step keeps u and v (in the pass that computes them) and sends zeros
-            us = [jnp.where(skip, u0, u) for u, u0 in zip(us, fields["velocity"])]
-            incs = [jnp.where(skip, jnp.zeros_like(x), x) for x in incs]
         sparse = [i for i, x in enumerate(gs) if sparsify_vectors or x.ndim > 1]
         dense = [i for i, x in enumerate(gs) if not (sparsify_vectors or x.ndim > 1)]
         # Vectors sent dense (authors' code): the momentum-corrected gradient, all-reduced; nothing accumulates.
+        incs = {}
+        for i in dense:
+            u, incs[i] = _momentum(us[i], gs[i], momentum, nesterov)
+            if skip is not None:  # a skipped step keeps u (in the pass that computes it) and sends zeros
+                u, incs[i] = jnp.where(skip, us[i], u), jnp.where(skip, jnp.zeros_like(incs[i]), incs[i])
+            us[i] = u
         dense_means, dense_bytes = collectives.dense_mean_arrays(
             [incs[i] for i in dense], ctx.axis_name, shards=None if sh is None else [sh.dims[i] is not None for i in dense])
-        vs_sparse = [vs[i] + incs[i] for i in sparse]
-        us_sparse = [us[i] for i in sparse]
+        # u and v of the sparsified layers are updated in place, one layer after the other (no step copies them).
+        us_sparse, vs_sparse = _corrected([us[i] for i in sparse], [vs[i] for i in sparse],
+                                          [gs[i] for i in sparse], momentum, nesterov, skip, ctx.count)
         st = step_stream(fields["key"], ctx.count, ctx.axis_name)
 
         cut = None if sh is None else layout.Shards(sh.axis, tuple(sh.dims[i] for i in sparse))
@@ -267,10 +323,14 @@ def dgc(
                 return csel.topk_many(xs, ks, sample_ratio=sample_ratio, starts=starts)
 
             def run(us, vs):
+                # The means in the gradients' dtypes, each cast as soon as it is summed (one float32 sum at a time).
                 means, indices, nbytes = sparse_layers_mean(vs, None, ctx.axis_name, select_all=select_all, skip=skip,
-                                                            shards=cut)
+                                                            shards=cut, dtypes=[gs[i].dtype for i in sparse])
                 if skip is not None:  # nothing was sent: indices past the end leave u and v as they are
                     indices = [jnp.where(skip, x.size, i) for x, i in zip(vs, indices)]
+                # The masking writes into v's buffer: it waits for the layer's mean (made from the values read from
+                # v), so that XLA needs no copy of v to read the values from.
+                indices = [i + _zero_after(m) for i, m in zip(indices, means)]
                 new_vs = [zero_at(x, i) for x, i in zip(vs, indices)]
                 new_us = [zero_at(x, i) for x, i in zip(us, indices)] if momentum_masking else us
                 out = (means, new_us, new_vs)

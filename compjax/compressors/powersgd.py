@@ -166,6 +166,7 @@ def powersgd(
         return {"q": _random_qs(base_key, shapes, lowrank, ranks)}
 
     def exchange(ps, fields, ctx):
+        grads = list(ps)
         sh = ctx.shards
         shapes = [x.shape if sh is None else sh.whole_shape(x, i) for i, x in enumerate(ps)]
         lowrank, ranks, dense = _plan(shapes, rank, min_compression_rate)
@@ -181,6 +182,15 @@ def powersgd(
         cut = {i: None if sh is None or sh.dims[i] is None else
                ("out" if sh.dims[i] == len(shapes[i]) - 1 else "rest") for i in lowrank}
         sharded = [sh is not None and sh.dims[i] is not None for i in range(len(ps))]
+
+        bad = ctx.skip
+        es = fields["residual"]
+        trips = _one_trip(ctx.count)
+        if es is None:  # no memory: the gradients as they are (zeros on a skipped step: all stays finite)
+            ps = list(ps) if bad is None else [jnp.where(bad, jnp.zeros_like(x), x) for x in ps]
+        else:  # M = g + e, in place of e for the matrices (a skipped step exchanges the finite residual alone)
+            low = set(lowrank)
+            ps = [_accumulated(e, g, bad, trips if i in low else None) for i, (e, g) in enumerate(zip(es, ps))]
 
         def compressed(_):
             if warm_start:
@@ -213,34 +223,115 @@ def powersgd(
             dense_out, d_bytes = collectives.dense_mean_arrays([ps[i] for i in dense], ctx.axis_name,
                                                                shards=[sharded[i] for i in dense])
             out = [None] * len(ps)
+            new_e = None if es is None else list(es)
             for i, p, q in zip(lowrank, p_hat, q_mean):
                 if cut[i] == "out":
                     p = _own_rows(p, sh)
                 elif cut[i] == "rest":
                     q = _rest_rows(q, shapes[i], sh, i)
-                out[i] = reconstruct(p, q, ps[i].shape).astype(ps[i].dtype)  # P̂ Qᵀ
-            for i, o in zip(dense, dense_out):
-                out[i] = o
-            # Dense leaves were sent whole: nothing remains of them.
-            sent = [out[i] if i in set(lowrank) else ps[i] for i in range(len(ps))]
+                # P̂ Qᵀ, and e = M - P̂ Qᵀ in place of M: one layer's product at a time.
+                out[i], e = _decoded(p, q, ps[i], grads[i], bad, trips, es is not None)
+                if new_e is not None:
+                    new_e[i] = e
+            for i, o in zip(dense, dense_out):  # dense leaves were sent whole: nothing remains of them
+                out[i] = o if bad is None else jnp.where(bad, jnp.zeros_like(o), o)
+                if new_e is not None:
+                    new_e[i] = jnp.zeros_like(ps[i]) if bad is None else jnp.where(bad, ps[i], jnp.zeros_like(ps[i]))
             new_q = tuple(_own_rows(q, sh) if cut[i] == "rest" else q for i, q in zip(lowrank, q_mean))
-            result = (out, sent, new_q)
-            return collectives.match_varying(result, (ps, ps, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
+            if bad is not None:
+                new_q = tuple(jnp.where(bad, o, n) for o, n in zip(old_q, new_q))
+            result = (out, new_e, new_q)
+            return collectives.match_varying(result, (grads, es, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
 
         def uncompressed(_):
             out, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name, shards=sharded)
-            return collectives.match_varying((out, list(ps), tuple(old_q)), (ps, ps, old_q)), bytecount.constant(nbytes)
+            if bad is not None:
+                out = [jnp.where(bad, jnp.zeros_like(o), o) for o in out]
+            # M was sent whole (on a skipped step M is e, which stays).
+            new_e = None if es is None else [jnp.zeros_like(p) if bad is None else jnp.where(bad, p, jnp.zeros_like(p))
+                                             for p in ps]
+            result = (out, new_e, tuple(old_q))
+            return collectives.match_varying(result, (grads, es, old_q)), bytecount.constant(nbytes)
 
         if start_step == 0:
-            (out, sent, qs), nbytes = compressed(None)
+            (out, new_e, qs), nbytes = compressed(None)
         else:
-            (out, sent, qs), nbytes = jax.lax.cond(ctx.count < start_step, uncompressed, compressed, None)
-        return Exchanged(out, sent, {"q": qs}, nbytes)
+            (out, new_e, qs), nbytes = jax.lax.cond(ctx.count < start_step, uncompressed, compressed, None)
+        out = [o.astype(g.dtype) for o, g in zip(out, grads)]
+        changed = {"q": qs} if new_e is None else {"q": qs, "residual": new_e}
+        # What this worker sent, as decoded: the approximation from the averaged factors; M for a dense leaf.
+        sent = [ps[i] if i in set(dense) else o for i, o in enumerate(out)]
+        return Exchanged(out, sent, changed, nbytes)
 
-    return compressor(
-        PowerSGDState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        init_fields=init_fields, on_shards=True,
+    base = compressor(
+        PowerSGDState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=False,
+        init_fields=init_fields, on_shards=True, honours_skip=True,
     )
+    if not error_feedback:
+        return base
+
+    def init_fn(params):  # the residual, which the exchange keeps itself (in place): zeros shaped like the params
+        return base.init(params)._replace(residual=jax.tree.map(lambda x: jnp.zeros_like(jnp.asarray(x)), params))
+
+    return optax.GradientTransformationExtraArgs(init_fn, base.update)
+
+
+def _one_trip(count: jnp.ndarray) -> jnp.ndarray:
+    """1 (int32), not known to the compiler (``count >= 0``): a loop of this many trips stays a loop."""
+    return (1 + jnp.minimum(count, 0)).astype(jnp.int32)
+
+
+def _accumulated(e: jnp.ndarray, g: jnp.ndarray, bad, trips) -> jnp.ndarray:
+    """``M = e + g`` (``e`` on a skipped step) in ``e``'s dtype, written in place of ``e``.
+
+    A loop of one trip carrying ``e``: its carry is written where it lies, so
+    ``M`` takes the (donated) residual's buffer and the products read it there
+    (computed as an expression, XLA writes ``M`` to a buffer of its own or
+    recomputes it in every pass).  The gradient goes through a barrier with
+    the trip index, so that its widening to ``e``'s dtype stays inside the
+    loop's pass (not a copy hoisted out of the loop).  With ``trips=None``
+    (small leaves), a plain expression.
+    """
+    def body(i, e):
+        x = g if trips is None else jax.lax.optimization_barrier((g, i))[0]
+        m = e + x.astype(e.dtype)
+        return m if bad is None else jnp.where(bad, e, m)
+
+    return body(0, e) if trips is None else jax.lax.fori_loop(0, trips, body, e)
+
+
+def _decoded(p, q, m, g, bad, trips, feedback: bool):
+    """``(P̂ Qᵀ in g's dtype, M - P̂ Qᵀ)`` of one layer, the product made inside one pass over the layer.
+
+    A loop of one trip carrying ``M`` (the residual's buffer) and ``g``
+    (the gradient's buffer, which nothing reads any more): the product
+    ``Q P̂ᵀ`` is a temporary of the loop's body, so one layer's product
+    exists at a time, and the residual and the output are written in place
+    of ``M`` and of the gradient.  ``P̂`` goes through a barrier with the trip
+    index so that the product is not hoisted out of the loop.  On a skipped
+    step (``bad``) the output is zeros and the residual stays ``M`` (which
+    then is ``e``).  Without ``feedback`` the returned residual is ``m``;
+    with ``trips=None``, no loop: the same values as plain expressions.
+    """
+    def body(i, carry):
+        e, o = carry if feedback else (None, carry)
+        pp, _ = jax.lax.optimization_barrier((p, i))
+        r = reconstruct(pp, q, m.shape)
+        out = collectives.like_varying(r.astype(o.dtype), o)  # typed as the carry (the gradient varies per worker)
+        if bad is not None:
+            out = jnp.where(bad, jnp.zeros_like(out), out)
+        if not feedback:
+            return out
+        new = collectives.like_varying(e - r.astype(e.dtype), e)
+        return (new if bad is None else jnp.where(bad, e, new)), out
+
+    if trips is None:  # as expressions, not in place
+        res = body(0, (m, g) if feedback else g)
+        return (res[1], res[0]) if feedback else (res, m)
+    if not feedback:
+        return jax.lax.fori_loop(0, trips, body, g), m
+    e, o = jax.lax.fori_loop(0, trips, body, (m, g))
+    return o, e
 
 
 def _rest_rows(q: jnp.ndarray, shape: tuple, sh, i: int) -> jnp.ndarray:

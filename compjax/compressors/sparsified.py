@@ -100,6 +100,7 @@ def topk_on_shards(xs: Sequence[jnp.ndarray], ks: Sequence[int], shards: layout.
 def sparse_layers_mean(
     leaves: Sequence[jnp.ndarray], select: Select | None, axis_name: AxisName, *,
     select_all: SelectAll | None = None, skip: jnp.ndarray | None = None, shards: layout.Shards | None = None,
+    dtypes: Sequence | None = None,
 ) -> tuple[list[jnp.ndarray], list[jnp.ndarray], int]:
     """Select (index, value) pairs in every layer and average the sparse layers over workers.
 
@@ -119,10 +120,15 @@ def sparse_layers_mean(
         host, e.g. :func:`topk_on_shards`), each layer's pairs travel from
         the start of their layer, and each device scatter-adds only the pairs
         that fall in its shard, into a buffer of the shard's size.
+      dtypes: one dtype per layer for its mean, or None (the leaves' dtypes).
+        With ``shards``, each layer's mean is cast as soon as it is summed and
+        the next layer's sum waits for that cast
+        (:func:`compjax.collectives.sparse_mean_segments`): one layer's sum in
+        the values' dtype at a time.
 
     Returns:
       ``(means, indices, payload_bytes)``: the dense means over workers (shapes
-      and dtypes of ``leaves``), each layer's int32 flat indices that this worker
+      of ``leaves``, dtypes ``dtypes`` or the leaves'), each layer's int32 flat indices that this worker
       sent (for error feedback and masking; with ``shards``, into the shard, the
       size of the shard where an entry lies in another device's shard), and
       ``sum_i k_i * (4 + itemsize)`` bytes (values in the leaves' common dtype).
@@ -130,8 +136,9 @@ def sparse_layers_mean(
     """
     if not leaves:
         return [], [], 0
+    dtypes = [x.dtype for x in leaves] if dtypes is None else list(dtypes)
     if shards is not None:
-        return _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards)
+        return _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards, dtypes)
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
     if (select is None) == (select_all is None):
@@ -158,11 +165,11 @@ def sparse_layers_mean(
         for i in g:
             o = bucket.offsets[i] - bucket.offsets[g[0]]
             part = buf if len(g) == 1 else buf[o : o + bucket.sizes[i]]
-            means[i] = part.reshape(leaves[i].shape).astype(leaves[i].dtype)
+            means[i] = part.reshape(leaves[i].shape).astype(dtypes[i])
     return means, idx_parts, nbytes
 
 
-def _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards):
+def _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards, dtypes):
     """:func:`sparse_layers_mean` of shards: one segment per layer, scatter-added into the shards alone."""
     if (select is None) == (select_all is None):
         raise ValueError("give one of select and select_all")
@@ -179,7 +186,7 @@ def _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards):
                     (lambda g, shape=tuple(x.shape), i=i: shards.to_shard(g, shape, i)))
         at += int(idx.size)
     dense, nbytes = collectives.sparse_mean_segments(jnp.concatenate(idx_parts), values, segments, axis_name,
-                                                     maps=maps)
-    means = [buf.reshape(x.shape).astype(x.dtype) for buf, x in zip(dense, leaves)]
+                                                     maps=maps, dtypes=dtypes)
+    means = [buf.reshape(x.shape) for buf, x in zip(dense, leaves)]
     local = [shards.to_shard(idx, x.shape, i) for i, (x, idx) in enumerate(zip(leaves, idx_parts))]
     return means, local, nbytes
