@@ -307,3 +307,19 @@ def test_sparse_exchanges_trace_for_models_past_two_to_the_31_entries():
                                check_vma=False)
         out = jax.eval_shape(update, g, state)
         assert out["c"].shape == (n,)
+
+
+def test_residual_in_exchange_needs_a_residual_field_and_no_pipeline_feedback():
+    """An exchange that keeps the residual itself (PowerSGD, in place) gets it built by the pipeline; asking for
+    both that and the pipeline's error feedback, or for it without a residual field, is refused when built."""
+    from compjax.compressors import base
+
+    with pytest.raises(TypeError, match="residual_in_exchange needs error_feedback=False"):
+        base.compressor(cj.PowerSGDState, lambda ps, f, c: None, axis_name=None, error_feedback=True,
+                        residual_in_exchange=True)
+    with pytest.raises(TypeError, match="residual_in_exchange"):
+        base.compressor(cj.IdentityState, lambda ps, f, c: None, axis_name=None, residual_in_exchange=True)
+    tx = cj.powersgd(2)
+    state = tx.init({"w": jnp.ones((8, 4))})
+    assert state.residual["w"].shape == (8, 4) and not np.any(np.asarray(state.residual["w"]))
+    assert cj.powersgd(2, error_feedback=False).init({"w": jnp.ones((8, 4))}).residual is None

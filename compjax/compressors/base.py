@@ -374,6 +374,7 @@ def compressor(
     honours_skip: bool = False,
     on_shards: bool = False,
     materialize: bool = False,
+    residual_in_exchange: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Build a compressor's optax transformation from its exchange.
 
@@ -414,6 +415,13 @@ def compressor(
         otherwise each recompute from ``g`` and ``e``, keeping the gradient
         alive beside ``p`` (a whole model's gradients twice).  Values are
         unchanged.
+      residual_in_exchange: error feedback kept by the exchange itself (with
+        ``error_feedback=False``): the pipeline builds the ``residual`` field
+        (zeros like the parameters) and hands it over in ``fields``; the
+        exchange receives the gradients as they are, forms ``p = g + e`` and
+        ``e = p - sent`` with :mod:`compjax.compressors.error_feedback`'s
+        functions where it chooses (e.g. in place, one layer at a time) and
+        returns the new ``residual`` among its fields.
 
     Returns:
       ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -428,6 +436,9 @@ def compressor(
     own = tuple(f for f in state_cls._fields if f not in COMMON_FIELDS)
     if state_cls._fields[len(own):] != COMMON_FIELDS:
         raise TypeError(f"{state_cls.__name__} must end with the fields {COMMON_FIELDS}")
+    if residual_in_exchange and (error_feedback or "residual" not in own):
+        raise TypeError("residual_in_exchange needs error_feedback=False (the exchange keeps it) and a 'residual' "
+                        f"field in {state_cls.__name__}")
     trees = (("residual",) if "residual" in own else ()) + tuple(tree_fields)
 
     def init_fn(params):
@@ -437,7 +448,7 @@ def compressor(
         xs = [leaves[i] for i in sel]
         fields = dict(init_fields(xs)) if init_fields is not None else {}
         if "residual" in own:
-            fields["residual"] = [jnp.zeros_like(x) for x in xs] if error_feedback else None
+            fields["residual"] = [jnp.zeros_like(x) for x in xs] if error_feedback or residual_in_exchange else None
         for name in trees:
             if fields[name] is not None:  # pass-through leaves hold (new) zeros
                 fields[name] = _put(jax.tree.unflatten(treedef, [jnp.zeros_like(x) for x in leaves]), sel,

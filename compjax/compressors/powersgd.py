@@ -23,6 +23,7 @@ from compjax.codecs.lowrank import (
     use_lowrank,
 )
 from compjax.collectives import AxisName
+from compjax.compressors import error_feedback as ef
 from compjax.compressors.base import Exchanged, compressor
 from compjax.compressors.keys import as_key
 
@@ -263,17 +264,10 @@ def powersgd(
         sent = [ps[i] if i in set(dense) else o for i, o in enumerate(out)]
         return Exchanged(out, sent, changed, nbytes)
 
-    base = compressor(
+    return compressor(  # the exchange keeps the residual itself: in place, one layer's product at a time
         PowerSGDState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=False,
-        init_fields=init_fields, on_shards=True, honours_skip=True,
+        residual_in_exchange=error_feedback, init_fields=init_fields, on_shards=True, honours_skip=True,
     )
-    if not error_feedback:
-        return base
-
-    def init_fn(params):  # the residual, which the exchange keeps itself (in place): zeros shaped like the params
-        return base.init(params)._replace(residual=jax.tree.map(lambda x: jnp.zeros_like(jnp.asarray(x)), params))
-
-    return optax.GradientTransformationExtraArgs(init_fn, base.update)
 
 
 def _one_trip(count: jnp.ndarray) -> jnp.ndarray:
@@ -294,7 +288,7 @@ def _accumulated(e: jnp.ndarray, g: jnp.ndarray, bad, trips) -> jnp.ndarray:
     """
     def body(i, e):
         x = g if trips is None else jax.lax.optimization_barrier((g, i))[0]
-        m = e + x.astype(e.dtype)
+        (m,) = ef.accumulate([e], [x])
         return m if bad is None else jnp.where(bad, e, m)
 
     return body(0, e) if trips is None else jax.lax.fori_loop(0, trips, body, e)
@@ -322,7 +316,8 @@ def _decoded(p, q, m, g, bad, trips, feedback: bool):
             out = jnp.where(bad, jnp.zeros_like(out), out)
         if not feedback:
             return out
-        new = collectives.like_varying(e - r.astype(e.dtype), e)
+        (new,) = ef.remainder([e], [r])
+        new = collectives.like_varying(new, e)
         return (new if bad is None else jnp.where(bad, e, new)), out
 
     if trips is None:  # as expressions, not in place
