@@ -136,9 +136,9 @@ def sparse_layers_mean(
     """
     if not leaves:
         return [], [], 0
-    dtypes = [x.dtype for x in leaves] if dtypes is None else list(dtypes)
-    if shards is not None:
+    if shards is not None:  # the layers' sums chained one after the other only when their dtypes are asked for
         return _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards, dtypes)
+    dtypes = [x.dtype for x in leaves] if dtypes is None else list(dtypes)
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
     if (select is None) == (select_all is None):
@@ -186,7 +186,7 @@ def _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards, dty
                     (lambda g, shape=tuple(x.shape), i=i: shards.to_shard(g, shape, i)))
         at += int(idx.size)
     dense, nbytes = collectives.sparse_mean_segments(jnp.concatenate(idx_parts), values, segments, axis_name,
-                                                     maps=maps, dtypes=dtypes)
-    means = [buf.reshape(x.shape) for buf, x in zip(dense, leaves)]
+                                                     maps=maps, dtypes=None if dtypes is None else list(dtypes))
+    means = [buf.reshape(x.shape).astype(x.dtype if dtypes is None else buf.dtype) for buf, x in zip(dense, leaves)]
     local = [shards.to_shard(idx, x.shape, i) for i, (x, idx) in enumerate(zip(leaves, idx_parts))]
     return means, local, nbytes
