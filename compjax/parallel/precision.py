@@ -13,6 +13,7 @@ trainers that reduce gradients in bfloat16 do.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -42,7 +43,8 @@ def floating_dtype(value: Any, name: str, *, none_ok: bool = False) -> Any:
     return dtype
 
 
-def _cast_leaf(dtype: Any):
+@functools.lru_cache(maxsize=None)
+def _cast_leaf(dtype: Any):  # one custom_vjp per dtype
     @jax.custom_vjp
     def cast(x):
         return x.astype(dtype)
