@@ -241,6 +241,7 @@ def powersgd(
             new_q = tuple(_own_rows(q, sh) if cut[i] == "rest" else q for i, q in zip(lowrank, q_mean))
             if bad is not None:
                 new_q = tuple(jnp.where(bad, o, n) for o, n in zip(old_q, new_q))
+            out = [o.astype(g.dtype) for o, g in zip(out, grads)]  # both branches: the gradients' dtypes
             result = (out, new_e, new_q)
             return collectives.match_varying(result, (grads, es, old_q)), bytecount.constant(p_bytes + q_bytes + d_bytes)
 
@@ -251,6 +252,7 @@ def powersgd(
             # M was sent whole (on a skipped step M is e, which stays).
             new_e = None if es is None else [jnp.zeros_like(p) if bad is None else jnp.where(bad, p, jnp.zeros_like(p))
                                              for p in ps]
+            out = [o.astype(g.dtype) for o, g in zip(out, grads)]  # both branches: the gradients' dtypes
             result = (out, new_e, tuple(old_q))
             return collectives.match_varying(result, (grads, es, old_q)), bytecount.constant(nbytes)
 
