@@ -476,13 +476,18 @@ def state_specs(tx: optax.GradientTransformation, params: Any, specs: Any, mesh:
     return jax.tree.unflatten(jax.tree.structure(state), out)
 
 
+def _entry_key(entry: Any) -> Any:
+    """A spec entry as one key: ``("fsdp",)`` is ``"fsdp"``; a tuple of several axes stays a tuple."""
+    return entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+
+
 def _spec_groups(leaf_specs: Sequence, mesh: Mesh) -> dict:
     """The sharding entries the specs use (an axis name, or a tuple of several for one dimension) -> their size."""
     groups = {}
     for spec in map(as_spec, leaf_specs):
         for entry in tuple(spec) if spec is not None else ():
             if entry is not None:
-                key = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+                key = _entry_key(entry)
                 groups[key] = int(np.prod([mesh.shape[a] for a in (key if isinstance(key, tuple) else (key,))]))
     return groups
 
@@ -504,7 +509,7 @@ def _several_axes_state_specs(tx: optax.GradientTransformation, params: Any, lea
     for key, size in groups.items():
         shards = []
         for w, spec in zip(whole, map(as_spec, leaf_specs)):
-            entries = [(e[0] if isinstance(e, tuple) and len(e) == 1 else e) for e in (tuple(spec) if spec else ())]
+            entries = [_entry_key(e) for e in (tuple(spec) if spec else ())]
             shape = tuple(n // size if d < len(entries) and entries[d] == key else n for d, n in enumerate(w.shape))
             shards.append(jax.ShapeDtypeStruct(shape, w.dtype))
         dims = layout.scaled_dims(tx.init, jax.tree.unflatten(treedef, whole), jax.tree.unflatten(treedef, shards),
