@@ -15,6 +15,7 @@ import optax
 from compjax import accounting, bytecount, collectives, layout
 from compjax._checks import check_range
 from compjax.collectives import AxisName
+from compjax.compressors.applying import applies_in_place
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
 from compjax.compressors.chains import holds_exchange
 from compjax.compressors.identity import identity
@@ -161,8 +162,9 @@ def _tie(x: jnp.ndarray, i: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(jnp.where(i < 0, jnp.zeros_like(bits), bits), x.dtype)
 
 
-def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any) -> tuple:
-    """``step(old, tied)`` (a pair: updates, new state) unless ``bad``, else zero updates and ``old``, bit for bit.
+def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any, params: Any,
+            apply: bool = False) -> tuple:
+    """``step(old, tied, params)`` (a pair: updates, new state) unless ``bad``, else zero updates and ``old``, bit for bit.
 
     ``(updates, new_state)`` is the step traced once outside (for their types only: XLA drops it).  The
     step runs in a loop of ``1 - bad`` trips (0 or 1, the same on a host's devices) carrying zero updates
@@ -174,26 +176,46 @@ def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any)
     the loop's index), so that XLA does not hoist what it computes from them out of the loop, where each
     would be a buffer of its own.  Floating-point update leaves ride the loop; the others are selected
     after it.
+
+    With ``apply`` (the in-place form, :func:`compjax.apply_gradients`), the loop carries the
+    floating-point parameters instead of zero updates and adds the updates to them where they are
+    computed: ``(new params, new state)`` is returned, the parameters as they were when ``bad``.  The
+    updates of the whole model then never exist at once (8B model, 2 x 4 mesh, sharded SparseLoCo:
+    7.4 GiB of float32 updates per device, out of the loop, before the step added them).
     """
     u_leaves, u_def = jax.tree.flatten(updates)
-    rides = [jnp.issubdtype(jnp.result_type(u), jnp.inexact) for u in u_leaves]
-    zeros = [collectives.like_varying(jnp.zeros_like(u), u) for u, r in zip(u_leaves, rides) if r]
+    p_leaves = jax.tree.leaves(params)
+    inexact = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    rides = [inexact(u) and (not apply or inexact(p)) for u, p in zip(u_leaves, p_leaves)]
+    first = [collectives.like_varying(p if apply else jnp.zeros_like(u), u)
+             for u, p, r in zip(u_leaves, p_leaves, rides) if r]
     new_types = jax.tree.leaves(new_state)
     o_leaves, o_def = jax.tree.flatten(old)
-    init = (zeros, jax.tree.unflatten(o_def, [collectives.like_varying(o, n) for o, n in zip(o_leaves, new_types)]))
+    init = (first, jax.tree.unflatten(o_def, [collectives.like_varying(o, n) for o, n in zip(o_leaves, new_types)]))
 
     def body(i, carry):
         def tied(tree):  # the same values, read as the loop's (no pass computed from them leaves the loop)
-            return jax.tree.map(lambda x: _tie(x, i) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x, tree)
+            return jax.tree.map(lambda x: _tie(x, i) if inexact(x) else x, tree)
 
-        u, st = step(carry[1], tied)
-        u = jax.tree.leaves(u)
-        return collectives.match_varying(([x for x, r in zip(u, rides) if r], st), carry)
+        if apply:  # the parameters: the carried ones where they ride, the others read through tied
+            it = iter(carry[0])
+            now = jax.tree.unflatten(jax.tree.structure(params), [next(it) if r else p for p, r in zip(p_leaves, rides)])
+            u, st = step(carry[1], tied, now)
+            ups = [x for x, r in zip(jax.tree.leaves(u), rides) if r]
+            out = [(p + x).astype(p.dtype) for p, x in zip(carry[0], ups)]  # optax.apply_updates, leaf by leaf
+        else:
+            u, st = step(carry[1], tied, tied(params))
+            out = [x for x, r in zip(jax.tree.leaves(u), rides) if r]
+        return collectives.match_varying((out, st), carry)
 
     ridden, new = jax.lax.fori_loop(0, 1 - bad.astype(jnp.int32), body, init)
     it = iter(ridden)
-    out = [next(it) if r else jnp.where(bad, jnp.zeros_like(u), u) for u, r in zip(u_leaves, rides)]
-    return jax.tree.unflatten(u_def, out), new
+    if not apply:
+        out = [next(it) if r else jnp.where(bad, jnp.zeros_like(u), u) for u, r in zip(u_leaves, rides)]
+        return jax.tree.unflatten(u_def, out), new
+    out = [next(it) if r else optax.apply_updates(p, jnp.where(bad, jnp.zeros_like(u), u))
+           for u, p, r in zip(u_leaves, p_leaves, rides)]
+    return jax.tree.unflatten(jax.tree.structure(params), out), new
 
 
 def _merge_body(params: Sequence, new_anchor: Sequence, dtypes: Sequence, start, due, alpha) -> Any:
@@ -373,7 +395,12 @@ def diloco(
     **Memory**: besides the inner state, one copy of the parameters (the global
     ones, float32), the outer optimizer's state (one more with momentum), the
     compressor's state, and with ``overlap > 0`` one more copy (the pending
-    outer gradients).
+    outer gradients).  With ``overlap = 0``, :func:`compjax.apply_gradients`
+    (which every step builder of :mod:`compjax.parallel` calls) runs the step
+    in place: each inner update is added to the parameters where the inner
+    optimizer computes it, and a synchronization writes the new global
+    parameters over the local ones (``θ ← θ̃`` exactly), so the updates of the
+    whole model are never held at once.
 
     Args:
       inner: the inner optimizer (e.g. ``optax.adamw(4e-4, weight_decay=0.1)``).
@@ -507,7 +534,8 @@ def diloco(
         c_st = jax.tree.map(lambda x, q: x if x is q else jnp.where(due, x, q), c_st, quiet)
         return new, o_st, c_st, own
 
-    def update_fn(grads, state, params=None, **extra_args):
+    def run(grads, state, params, extra_args, apply):
+        """One inner step: ``(updates, new_state)``, or with ``apply`` ``(new_params, new_state)``."""
         if params is None:
             raise ValueError(
                 "diloco's update needs the worker's local parameters: call tx.update(grads, state, params) "
@@ -515,6 +543,9 @@ def diloco(
             )
         dims = layout.shard_dims_for(grads, "cj.diloco")
         updates, inner_state = inner_tx.update(grads, state.inner, params, **extra_args)
+        if len(jax.tree.leaves(updates)) != len(jax.tree.leaves(params)):
+            raise ValueError("the inner optimizer's updates do not match params: was the state built for them?")
+        moved = None  # with apply: the parameters after the inner step
         skipped = state.skipped
         if skip_nonfinite:
             checked = [g for g in jax.tree.leaves(grads) if is_compressible(g)]
@@ -524,16 +555,27 @@ def diloco(
                 updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
                 inner_state = jax.tree.map(lambda n, o: jnp.where(bad, o, n), inner_state, state.inner)
             else:
-                updates, inner_state = _unless(
-                    bad, lambda st, tied: inner_tx.update(tied(grads), st, tied(params), **extra_args),
-                    updates, inner_state, state.inner)
+                out, inner_state = _unless(
+                    bad, lambda st, tied, now: inner_tx.update(tied(grads), st, now, **extra_args),
+                    updates, inner_state, state.inner, params, apply)
+                if apply:
+                    moved = out
+                else:
+                    updates = out
             skipped = skipped + bad.astype(jnp.int32)
+        elif apply and not inner_exchanges:  # the same loop, of one trip (``count < 0`` never holds)
+            moved, inner_state = _unless(
+                state.count < 0, lambda st, tied, now: inner_tx.update(tied(grads), st, now, **extra_args),
+                updates, inner_state, state.inner, params, apply)
         if tau == 0:  # (with an overlap the compiled step grew with it instead: 8B model, 2 x 4 mesh, sharded)
             inner_state = _settled(inner_state, state.count)
         p_leaves = jax.tree.leaves(params)
         u_leaves = jax.tree.leaves(updates)
-        if len(u_leaves) != len(p_leaves):
-            raise ValueError("the inner optimizer's updates do not match params: was the state built for them?")
+        if apply and moved is None:
+            moved = optax.apply_updates(params, updates)
+        # With apply the synchronization reads and writes the parameters θ after the inner step (m_leaves) in
+        # place; without, it reads θ = p + u and writes the updates (u_leaves).
+        m_leaves = jax.tree.leaves(moved) if apply else None
         frags = fragment_assignment(params, P, assignment)
         s = state.count + 1  # inner steps done after this one
         anchors, outers, comms, pendings = [], [], [], []
@@ -544,16 +586,24 @@ def diloco(
             if tau == 0:  # Δ of this step, exchanged now; the workers take the new global values
                 due = (s - offsets[p]) % H == 0
 
-                def sent(a, own, idx=idx):  # Δ = θ^g - θ, θ = p + u: computed inside the synchronization
-                    return [x - (p_leaves[i].astype(x.dtype) + u.astype(x.dtype)) for i, x, u in zip(idx, a, own)]
+                if apply:
+                    def sent(a, own):  # Δ = θ^g - θ: computed inside the synchronization
+                        return [x - t.astype(x.dtype) for x, t in zip(a, own)]
 
-                def ups(new, own, idx=idx):  # the updates that move the local parameters to the new global ones
-                    return [(n - p_leaves[i].astype(n.dtype)).astype(u.dtype) for i, n, u in zip(idx, new, own)]
+                    def ups(new, own):  # the local parameters take the new global ones
+                        return [n.astype(t.dtype) for n, t in zip(new, own)]
+                else:
+                    def sent(a, own, idx=idx):  # Δ = θ^g - θ, θ = p + u: computed inside the synchronization
+                        return [x - (p_leaves[i].astype(x.dtype) + u.astype(x.dtype)) for i, x, u in zip(idx, a, own)]
 
+                    def ups(new, own, idx=idx):  # the updates that move the local parameters to the new global ones
+                        return [(n - p_leaves[i].astype(n.dtype)).astype(u.dtype) for i, n, u in zip(idx, new, own)]
+
+                carried = m_leaves if apply else u_leaves
                 new_anchor, outer_state, comm_state, own = fragment_sync(
-                    due, sent, anchor, outer_state, comm_state, f_dims, [u_leaves[i] for i in idx], ups)
+                    due, sent, anchor, outer_state, comm_state, f_dims, [carried[i] for i in idx], ups)
                 for i, up in zip(idx, own):
-                    u_leaves[i] = up
+                    carried[i] = up
             else:  # Δ stored tau steps ago, exchanged now; merged with weight alpha on the local side
                 due = (s - tau >= 1) & ((s - tau - offsets[p]) % H == 0)
                 new_anchor, outer_state, comm_state, _ = fragment_sync(
@@ -589,9 +639,21 @@ def diloco(
             skipped=skipped,
             payload_bytes=state.payload_bytes,
         )
+        if apply:
+            return jax.tree.unflatten(jax.tree.structure(params), m_leaves), new_state
         return jax.tree.unflatten(jax.tree.structure(updates), u_leaves), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def update_fn(grads, state, params=None, **extra_args):
+        return run(grads, state, params, extra_args, False)
+
+    def apply_fn(grads, state, params=None, **extra_args):
+        return run(grads, state, params, extra_args, True)
+
+
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Without overlap the parameters are written in place where the inner step and the synchronization compute
+    # them (compjax.apply_gradients); with one, the merge keeps optax's two calls.
+    return applies_in_place(tx, apply_fn) if tau == 0 else tx
 
 
 def _find_diloco_state(opt_state: Any) -> DilocoState:

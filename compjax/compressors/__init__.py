@@ -7,6 +7,7 @@ the fields ``count``, ``skipped`` and ``payload_bytes`` last (see
 :mod:`compjax.compressors.base`).
 """
 
+from compjax.compressors.applying import apply_gradients
 from compjax.compressors.cast import CastState, cast
 from compjax.compressors.chunktopk import ChunktopkState, chunktopk, chunktopk_bytes
 from compjax.compressors.clip import ClipByGlobalNormState, clip_by_global_norm
@@ -39,6 +40,7 @@ __all__ = [
     "TerngradState",
     "TopkState",
     "TwobitState",
+    "apply_gradients",
     "apply_if_finite",
     "cast",
     "chunktopk",

@@ -18,12 +18,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, layout, workers
 from compjax.compressors import clip
+from compjax.compressors.applying import apply_gradients
 from compjax.parallel.core import (
     build_sharded_step,
     build_step,
@@ -380,8 +380,7 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
             pure = jax.tree.structure(params)
             grads = jax.tree.unflatten(pure, grads)
             with layout.fast_layout(fast_axis, grads, pdims):
-                updates, new_opt = optimizer.tx.update(grads, nnx.as_pure(optimizer.opt_state), params)
-            params = optax.apply_updates(params, updates)
+                params, new_opt = apply_gradients(optimizer.tx, grads, nnx.as_pure(optimizer.opt_state), params)
             nnx.update(optimizer.opt_state, nnx.state(new_opt))
             optimizer.step[...] += 1
             floats = [i for i, x in enumerate(new_rest) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
@@ -406,8 +405,7 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
             params = nnx.as_pure(jax.tree.unflatten(ptree, pl))
             grads = jax.tree.unflatten(jax.tree.structure(params), grads)
             with layout.fast_layout(fast_axis, grads, pdims):
-                updates, new_opt = optimizer.tx.update(grads, nnx.as_pure(optimizer.opt_state), params)
-            params = optax.apply_updates(params, updates)
+                params, new_opt = apply_gradients(optimizer.tx, grads, nnx.as_pure(optimizer.opt_state), params)
             nnx.update(optimizer.opt_state, nnx.state(new_opt))
             optimizer.step[...] += 1
             return jax.tree.leaves(params), jax.tree.leaves(nnx.split(optimizer)[1])

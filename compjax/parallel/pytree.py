@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, layout
 from compjax.compressors import clip
+from compjax.compressors.applying import apply_gradients
 from compjax.parallel.core import (
     build_sharded_step,
     build_step,
@@ -207,10 +208,9 @@ def data_parallel_step(
         if fast_axis is not None:
             grads = like_params(_fast_mean(grads, fast_axis), params, compute_dtype)
             with layout.fast_layout(fast_axis):  # one host's devices share the slow-axis payload
-                updates, opt_state = tx.update(grads, opt_state, params)
+                params, opt_state = apply_gradients(tx, grads, opt_state, params)
         else:
-            updates, opt_state = tx.update(like_params(grads, params, compute_dtype), opt_state, params)
-        params = optax.apply_updates(params, updates)
+            params, opt_state = apply_gradients(tx, like_params(grads, params, compute_dtype), opt_state, params)
         return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
     # Every output placed P(axes), as replicate() and shard_batch() place: the second call hits the cache.
@@ -283,8 +283,7 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         def update(params, opt_state, grads):  # this device's shards (and whole leaves)
             grads = like_params(grads, params, compute_dtype)  # cast where tx takes it
             with layout.fast_layout(fast, grads, dims):
-                updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+                return apply_gradients(tx, grads, opt_state, params)
 
         def body(params, opt_state, chunks, *keys):  # one worker's logical arrays, sharded over the fast axis
             params = jax.tree.unflatten(treedef, unpad_leaves(jax.tree.leaves(params), leaf_specs))

@@ -150,6 +150,12 @@ def worker_step(
       per worker.  The model's own collectives inside ``fn`` (BatchNorm with
       ``axis_name=``) are allowed.
 
+    A step of your own over :func:`compjax.diloco` or :func:`compjax.sparseloco`
+    may call ``params, opt_state = cj.apply_gradients(tx, grads, opt_state,
+    params)`` in place of ``tx.update`` and ``optax.apply_updates``: the same
+    step, with the inner updates added to the parameters where they are
+    computed (the float32 updates of the whole model are never held).
+
     Args:
       fn: the single-device step (jitted or not; ``nnx.jit`` works too).
       mesh: mesh with axis ``axis_name`` (n workers).

@@ -5,8 +5,8 @@ worker-stacked layout of :mod:`compjax.parallel`: parameters and optimizer
 state carry a leading worker axis sharded ``P("data")``; inside
 ``jax.shard_map`` every worker takes the gradient of its own loss on its own
 windows (local gradients: JAX adds no all-reduce of its own), then calls
-``tx.update(grads, opt_state, params)`` (params always passed) and
-``optax.apply_updates``.  Whatever the workers exchange is the transform's
+``cj.apply_gradients(tx, grads, opt_state, params)`` (``tx.update`` with
+params always passed, then ``optax.apply_updates``; DiLoCo's step in place).  Whatever the workers exchange is the transform's
 doing: ``make_tx("data")`` may be a compressor chain (synchronous data
 parallel, workers stay equal) or a method that lets workers drift apart
 between synchronisations (DiLoCo), which is why validation loss is reported
