@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import layout
+from compjax.codecs import ordering
 from compjax.codecs.bucket import BUCKET_CAP_BYTES, group_by_size, make_bucket
 
 AxisName = Hashable | None
@@ -651,47 +652,15 @@ def dense_mean_arrays(
         for group in groups:
             bucket = make_bucket([arrays[i].shape for i in group])
             flat = bucket.flatten([arrays[i] for i in group])
-            if mean is not None and axis_name is not None:  # one all-reduce after the other (_after)
-                flat = _after(flat, _after_token(mean))
+            # One all-reduce after the other: XLA combines independent all-reduces into one instruction, whose
+            # operands and results are then all alive at once (a whole model's gradients twice, however capped).
+            if mean is not None and axis_name is not None:
+                flat = ordering.after(flat, ordering.zero_after(mean))
             mean, nbytes = dense_mean(flat, axis_name, prescale=prescale or flat.dtype == jnp.float16)
             total += nbytes
             for i, m in zip(group, bucket.unflatten(mean)):
                 out[i] = m
     return out, total  # type: ignore[return-value]
-
-
-def _after_token(prev: jnp.ndarray) -> jnp.ndarray:
-    """A uint32 scalar that is always 0 but that XLA must compute from ``prev`` (one word of it): see :func:`_after`.
-
-    None when ``prev`` is empty (nothing to wait for).
-    """
-    word = jnp.ravel(prev)[:1]
-    if word.size == 0:
-        return None
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(word.dtype).itemsize]
-    return jnp.minimum(jax.lax.bitcast_convert_type(word, bits), 0)[0].astype(jnp.uint32)
-
-
-def _after(x: jnp.ndarray, token: jnp.ndarray) -> jnp.ndarray:
-    """``x`` unchanged (bit for bit), computed after ``token`` (:func:`_after_token` of an array).
-
-    XLA orders operations by their data only, and combines independent
-    all-reduces into one instruction, whose operands and results are then all
-    alive at once: a whole model's gradients twice, however the buckets were
-    capped.  A select on ``token == 1`` (never true, but not known to the
-    compiler) makes ``x`` depend on the bucket ``token`` was read from, so
-    each bucket's all-reduce follows the one before and its operand can be
-    freed as its result is made.  The compare and the select fuse into the
-    pass that writes ``x``.
-
-    Args:
-      x: any array.
-      token: a uint32 scalar from :func:`_after_token` (always 0), or None (``x`` as it is).
-
-    Returns:
-      ``x``, same shape, dtype and bits.
-    """
-    return x if token is None else jnp.where(token == 1, jnp.zeros_like(x), x)
 
 
 def _in_place_slices(x: jnp.ndarray, axis_name: AxisName, n: int, prescale: bool) -> tuple[jnp.ndarray, int]:
@@ -747,14 +716,14 @@ def _dense_mean_with_shards(own, rest, axis_name, fast, prescale):
         if len(group) == 1 and _nbytes(parts[group[0]]) > BUCKET_CAP_BYTES:
             x = parts[group[0]]
             if last is not None:
-                x = _after(x, _after_token(last))
+                x = ordering.after(x, ordering.zero_after(last))
             x, sent = _in_place_slices(x, axis_name, n, prescale)
             nbytes += f * sent
             out[group[0]] = last = x
             continue
         buf = parts[group[0]] if len(group) == 1 else jnp.concatenate([parts[j] for j in group])
         if last is not None:  # one all-reduce after the other: XLA would combine them, all operands and results alive
-            buf = _after(buf, _after_token(last))
+            buf = ordering.after(buf, ordering.zero_after(last))
         if prescale:
             buf = buf / jnp.asarray(n, dtype)
         with _scope("dense_mean"):
@@ -876,7 +845,7 @@ def sparse_mean_segments(
         # (a 0 read from a shard's mean would type an unmapped segment's mean as varying over the fast axis).
         chained = dtypes is not None and (maps is None or fn is not None)
         if chained and prev is not None:  # after the previous mean's cast (a 0 read from it)
-            token = _after_token(prev)
+            token = ordering.zero_after(prev)
             tag = tag if token is None else tag + token.astype(tag.dtype)
         buf = _zeros(size, values.dtype, tag)
         if fn is None:

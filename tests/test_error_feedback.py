@@ -181,7 +181,7 @@ def test_sparse_and_e3m0_exchanges_read_p_written_once_and_unchanged(monkeypatch
     outs = {}
     for name in ("on", "off"):
         if name == "off":
-            monkeypatch.setattr(base, "_materialized", lambda xs, count: xs)
+            monkeypatch.setattr(base.ordering, "settled", lambda xs, count: xs)
         tx = cj.topk(0.1)
         state = tx.init(g)
         for _ in range(2):

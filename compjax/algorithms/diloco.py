@@ -14,6 +14,7 @@ import optax
 
 from compjax import accounting, bytecount, collectives, layout
 from compjax._checks import check_range
+from compjax.codecs import ordering
 from compjax.collectives import AxisName
 from compjax.compressors.applying import applies_in_place
 from compjax.compressors.base import any_nonfinite, is_compressible, silenced
@@ -128,39 +129,6 @@ def _assigned(params: Any, fragments: int, assignment: Any) -> list[int | None]:
     return out
 
 
-def _settled(tree: Any, count: jnp.ndarray) -> Any:
-    """``tree`` unchanged (bit for bit), every leaf computed in full before anything reads it.
-
-    A loop of one trip (``1 + min(count, 0)``: 1 for a step count ``count >= 0``, not known to the
-    compiler) whose body selects on ``i < 0`` (never true): a boundary XLA neither fuses across nor
-    removes.  DiLoCo writes the inner optimizer's new state through it: XLA copies the old state (the
-    updates and the new state are two passes that both read it, one of them writing in place), and
-    without the boundary the pass that writes the new state ran last, after the synchronization, keeping
-    those copies alive through it (8B model, 2 x 4 mesh, sharded: 2.1 GiB of temporaries less with it).
-    """
-    trips = 1 + jnp.minimum(count, 0)
-
-    def body(i, t):
-        return jax.tree.map(lambda x: jnp.where(i < 0, jnp.zeros_like(x), x), t)
-
-    return jax.lax.fori_loop(0, trips, body, tree)
-
-
-def _tie(x: jnp.ndarray, i: jnp.ndarray) -> jnp.ndarray:
-    """``x`` bit for bit, selected on a loop index ``i >= 0`` (``i < 0`` never holds): read as the loop's.
-
-    A floating-point ``x`` narrower than 32 bits (bfloat16, float16) is selected through the unsigned
-    integer of its width, not as floats: XLA:CPU computes a bfloat16 selection in float32, and hoisted the
-    float32 copy of a loop-invariant operand out of the loop (the bfloat16 gradients of an 8B model, 2 x 4
-    mesh, sharded: 7.4 GiB of float32 temporaries where the bfloat16 ones take 3.7 GiB).  Wider floats
-    are selected as they are (through their bits, XLA kept copies of them).
-    """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
-        return jnp.where(i < 0, jnp.zeros_like(x), x)
-    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return jax.lax.bitcast_convert_type(jnp.where(i < 0, jnp.zeros_like(bits), bits), x.dtype)
-
 
 def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any, params: Any,
             apply: bool = False) -> tuple:
@@ -195,7 +163,7 @@ def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any,
 
     def body(i, carry):
         def tied(tree):  # the same values, read as the loop's (no pass computed from them leaves the loop)
-            return jax.tree.map(lambda x: _tie(x, i) if inexact(x) else x, tree)
+            return jax.tree.map(lambda x: ordering.tie(x, i) if inexact(x) else x, tree)
 
         if apply:  # the parameters: the carried ones where they ride, the others read through tied
             it = iter(carry[0])
@@ -225,14 +193,14 @@ def _merge_body(params: Sequence, new_anchor: Sequence, dtypes: Sequence, start,
     this step, in the global copy's dtype) and ``θ̃`` the fragment's global copy after this step's
     synchronization: the stored outer gradient ``θ̃ - θ`` where a synchronization ``start`` s (else the
     stored one), and the updates to ``α θ + (1 − α) θ̃`` where one is ``due`` to merge (else ``u``).
-    ``params`` and ``new_anchor`` are read through :func:`_tie`, so nothing computed from them leaves the loop.
+    ``params`` and ``new_anchor`` are read through :func:`compjax.codecs.ordering.tie`, so nothing computed from them leaves the loop.
     """
 
     def body(i, carry):
         pend, ups = carry
         out_p, out_u = [], []
         for p, n, old, u, d in zip(params, new_anchor, pend, ups, dtypes):
-            p, n = _tie(p, i), _tie(n, i)
+            p, n = ordering.tie(p, i), ordering.tie(n, i)
             x = p.astype(d) + u.astype(d)  # θ = p + u
             out_p.append(jnp.where(start, n - x, old))
             m = alpha * x + (1 - alpha) * n
@@ -568,7 +536,11 @@ def diloco(
                 state.count < 0, lambda st, tied, now: inner_tx.update(tied(grads), st, now, **extra_args),
                 updates, inner_state, state.inner, params, apply)
         if tau == 0:  # (with an overlap the compiled step grew with it instead: 8B model, 2 x 4 mesh, sharded)
-            inner_state = _settled(inner_state, state.count)
+            # Written through a boundary (ordering.settled): XLA copies the old state (the updates and the new
+            # state are two passes that read it, one writing in place), and without it the pass that writes the
+            # new state ran after the synchronization, keeping those copies alive through it (8B model, 2 x 4
+            # mesh, sharded: 2.1 GiB of temporaries less with it).
+            inner_state = ordering.settled(inner_state, state.count)
         p_leaves = jax.tree.leaves(params)
         u_leaves = jax.tree.leaves(updates)
         if apply and moved is None:
@@ -621,7 +593,7 @@ def diloco(
                 # of the parameters through the whole step (8B model, 2 x 4 mesh, sharded: 7.1 GiB).
                 merge = _merge_body([p_leaves[i] for i in idx], new_anchor, [a.dtype for a in anchor], start, due,
                                     alpha)
-                pending, ups = jax.lax.fori_loop(0, 1 + jnp.minimum(state.count, 0), merge,
+                pending, ups = jax.lax.fori_loop(0, ordering.one_trip(state.count), merge,
                                                  (list(state.pending[p]), [u_leaves[i] for i in idx]))
                 for i, up in zip(idx, ups):
                     u_leaves[i] = up

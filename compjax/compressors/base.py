@@ -66,6 +66,7 @@ import optax
 
 from compjax import bytecount, collectives, layout
 from compjax._checks import check_same_tree
+from compjax.codecs import ordering
 from compjax.collectives import AxisName
 from compjax.compressors import error_feedback as ef
 
@@ -184,24 +185,6 @@ def any_nonfinite(xs: Sequence[jnp.ndarray]) -> jnp.ndarray:
         lambda: ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])),
     )
 
-
-def _materialized(xs: list, count: jnp.ndarray) -> list:
-    """``xs`` unchanged (bit for bit), written once to memory: the passes that read them read that copy.
-
-    XLA fuses a cheap elementwise producer (``p = g + e``, a select) into
-    every pass that reads it and recomputes it there, so its inputs stay
-    alive until the last of those passes.  A loop of one trip (the count
-    ``1 + min(count, 0)``, 1 for a step count ``count >= 0`` but not known to
-    the compiler, and a select on ``i < 0`` that never holds) is a boundary
-    XLA neither fuses across nor removes: ``xs`` are made once, in place of
-    the gradient where it dies, and read from there.
-    """
-    trips = 1 + jnp.minimum(count, 0)  # 1, not known to the compiler (count >= 0)
-
-    def body(i, carry):
-        return [jnp.where(i < 0, jnp.zeros_like(x), x) for x in carry]
-
-    return jax.lax.fori_loop(0, trips, body, list(xs))
 
 
 def silenced(state: Any) -> Any:
@@ -410,7 +393,7 @@ def compressor(
         into the shards).  Its other state fields must be held whole by every
         fast device.  Without it the pipeline gathers whole layers.
       materialize: with error feedback, write ``p = g + e`` to memory once
-        (:func:`_materialized`) before the exchange reads it: for exchanges
+        (:func:`compjax.codecs.ordering.settled`) before the exchange reads it: for exchanges
         that read ``p`` in many passes (a sparse selection), which XLA would
         otherwise each recompute from ``g`` and ``e``, keeping the gradient
         alive beside ``p`` (a whole model's gradients twice).  Values are
@@ -513,7 +496,9 @@ def compressor(
                 if bad is not None:  # a skipped step exchanges the (finite) residual alone, in the same pass
                     ps = [jnp.where(bad, e, p) for p, e in zip(ps, old["residual"])]
                 if materialize:
-                    ps = _materialized(ps, state.count)
+                    # XLA fuses p = g + e into every pass that reads it and recomputes it there, keeping its
+                    # inputs alive until the last: written once, in place of the gradient where it dies.
+                    ps = ordering.settled(list(ps), state.count)
             elif bad is None or honours_skip:
                 ps = list(xs)
             else:

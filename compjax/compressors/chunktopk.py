@@ -18,7 +18,7 @@ import optax
 
 from compjax import collectives
 from compjax._checks import check_range
-from compjax.codecs import bitpack
+from compjax.codecs import bitpack, ordering
 from compjax.codecs import chunked as ck
 from compjax.codecs import quantize as q
 from compjax.collectives import AxisName
@@ -239,7 +239,9 @@ def chunktopk(
         acc = fields["accumulator"]
         sh = ctx.shards
         gs, acc, cuts, gathered = _shard_tiling(gs, acc, sh, chunk)
-        ps = _written(ef.accumulate(acc, gs, decay), ctx.count) if acc is not None else list(gs)
+        # Written once (ordering.settled): XLA fused β e + g into every pass that reads it (the tiling, the
+        # residual's scatter), keeping g's inputs alive until the last (in DiLoCo, the parameters it overwrites).
+        ps = ordering.settled(list(ef.accumulate(acc, gs, decay)), ctx.count) if acc is not None else list(gs)
         shapes = [p.shape if c is None else c.layer.shape for p, c in zip(ps, cuts)]
         plans = [_plan(shape, k, chunk, dct, values, value_bits) for shape in shapes]
         words, floats, raws = [], [], []
@@ -354,22 +356,6 @@ def chunktopk(
         tree_fields=("accumulator",), on_shards=True,
     )
 
-
-def _written(xs: list, count: jnp.ndarray) -> list:
-    """``xs`` unchanged (bit for bit), written once to memory before the selection and the error feedback read them.
-
-    XLA fuses the accumulation ``β e + g`` into every pass that reads it (the tiling for the selection, the
-    scatter that subtracts what was sent) and recomputes it there, keeping ``g``'s inputs alive until the
-    last of them (in DiLoCo, the global and local parameters the outer gradient is taken from, which the
-    step then overwrites: XLA copies them).  A loop of one trip (``1 + min(count, 0)``, not known to the
-    compiler) selecting on ``i < 0`` (never true) is a boundary XLA neither fuses across nor removes.
-    """
-    trips = 1 + jnp.minimum(count, 0)
-
-    def body(i, carry):
-        return [jnp.where(i < 0, jnp.zeros_like(x), x) for x in carry]
-
-    return jax.lax.fori_loop(0, trips, body, list(xs))
 
 
 class _Cut(NamedTuple):

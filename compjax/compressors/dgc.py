@@ -11,6 +11,7 @@ import optax
 
 from compjax import bytecount, collectives, layout
 from compjax._checks import check_range
+from compjax.codecs import ordering
 from compjax.codecs import random as cr
 from compjax.codecs import select as csel
 from compjax.codecs.sparse import layer_k, topk_select, zero_at
@@ -92,11 +93,9 @@ def _corrected(us: list, vs: list, gs: list, momentum, nesterov: bool, skip, cou
     Each layer's loop starts after the one before ends (its trip count reads
     one entry of the previous ``v``): one layer's buffers in flight at a time.
     """
-    if skip is None:
-        trips = 1 + jnp.minimum(count, 0)  # 1, not known to the compiler (count >= 0): the loop stays
-    else:
-        trips = jnp.where(skip, 0, 1 + jnp.minimum(count, 0))
-    trips = trips.astype(jnp.int32)
+    trips = ordering.one_trip(count)  # 1, not known to the compiler: the loop stays
+    if skip is not None:
+        trips = jnp.where(skip, 0, trips)
 
     def step(g):
         def body(i, carry):
@@ -115,14 +114,9 @@ def _corrected(us: list, vs: list, gs: list, momentum, nesterov: bool, skip, cou
         out_u.append(u)
         out_v.append(v)
         # The next layer's trip count waits for this layer's v (one word of it: always 0 added).
-        trips = trips + _zero_after(v)
+        trips = trips + ordering.zero_after(v).astype(jnp.int32)
     return out_u, out_v
 
-
-def _zero_after(x: jnp.ndarray) -> jnp.ndarray:
-    """An int32 0 that XLA can only compute after ``x`` (from one word of it)."""
-    word = jax.lax.bitcast_convert_type(jnp.ravel(x)[0].astype(jnp.float32), jnp.uint32)
-    return jnp.minimum(word, jnp.uint32(0)).astype(jnp.int32)
 
 
 def _stage_index(count: jnp.ndarray, stages) -> jnp.ndarray:
@@ -330,7 +324,7 @@ def dgc(
                     indices = [jnp.where(skip, x.size, i) for x, i in zip(vs, indices)]
                 # The masking writes into v's buffer: it waits for the layer's mean (made from the values read from
                 # v), so that XLA needs no copy of v to read the values from.
-                indices = [i + _zero_after(m) for i, m in zip(indices, means)]
+                indices = [i + ordering.zero_after(m).astype(i.dtype) for i, m in zip(indices, means)]
                 new_vs = [zero_at(x, i) for x, i in zip(vs, indices)]
                 new_us = [zero_at(x, i) for x, i in zip(us, indices)] if momentum_masking else us
                 out = (means, new_us, new_vs)

@@ -14,6 +14,7 @@ import optax
 
 from compjax import bytecount, collectives
 from compjax._checks import check_range
+from compjax.codecs import ordering
 from compjax.codecs.lowrank import (
     back_project,
     matrix_shape,
@@ -186,7 +187,7 @@ def powersgd(
 
         bad = ctx.skip
         es = fields["residual"]
-        trips = _one_trip(ctx.count)
+        trips = ordering.one_trip(ctx.count)
         if es is None:  # no memory: the gradients as they are (zeros on a skipped step: all stays finite)
             ps = list(ps) if bad is None else [jnp.where(bad, jnp.zeros_like(x), x) for x in ps]
         else:  # M = g + e, in place of e for the matrices (a skipped step exchanges the finite residual alone)
@@ -271,10 +272,6 @@ def powersgd(
         residual_in_exchange=error_feedback, init_fields=init_fields, on_shards=True, honours_skip=True,
     )
 
-
-def _one_trip(count: jnp.ndarray) -> jnp.ndarray:
-    """1 (int32), not known to the compiler (``count >= 0``): a loop of this many trips stays a loop."""
-    return (1 + jnp.minimum(count, 0)).astype(jnp.int32)
 
 
 def _accumulated(e: jnp.ndarray, g: jnp.ndarray, bad, trips) -> jnp.ndarray:
