@@ -52,15 +52,15 @@ steps in flight, XLA:CPU's in-process collectives can deadlock and abort.
 
 from __future__ import annotations
 
-import os
 import sys
 
-if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # 8 CPU workers unless an accelerator is found (the flag only affects the CPU backend).  XLA:CPU's
-    # concurrency-optimized scheduler stays on here (the tests turn it off: it has crashed their programs
-    # with several wrapped compressors side by side): off, a synchronous step whose only collective is the
-    # gradient's all-reduce ran 5x slower (delayed averaging with D = 0: 93 s per epoch instead of 19 s).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from experiments.cpu_devices import force_cpu_devices
+
+# 8 CPU workers unless an accelerator is found (the flag only affects the CPU backend).  XLA:CPU's
+# concurrency-optimized scheduler stays on here (the tests turn it off: it has crashed their programs
+# with several wrapped compressors side by side): off, a synchronous step whose only collective is the
+# gradient's all-reduce ran 5x slower (delayed averaging with D = 0: 93 s per epoch instead of 19 s).
+force_cpu_devices(8, concurrency_optimized_scheduler=True)
 
 import argparse
 import shlex

@@ -51,10 +51,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # 8 simulated CPU workers for the multi-worker section (before JAX starts; ignored by GPU/TPU backends).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+from experiments.cpu_devices import force_cpu_devices
+
+if __name__ == "__main__":  # 8 simulated CPU workers for the multi-worker section
+    force_cpu_devices(8)
 
 import jax
 import jax.numpy as jnp

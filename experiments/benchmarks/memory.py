@@ -104,10 +104,10 @@ from pathlib import Path
 #: Simulated CPU devices the default run needs: 70B on the 2 x 32 mesh.
 MAX_DEVICES = 64
 
-if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Simulated CPU devices for the largest mesh of the plan (before JAX starts).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MAX_DEVICES}"
-                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+from experiments.cpu_devices import force_cpu_devices
+
+if __name__ == "__main__":  # simulated CPU devices for the largest mesh of the plan
+    force_cpu_devices(MAX_DEVICES)
 
 import jax
 import jax.numpy as jnp

@@ -27,14 +27,10 @@ On CPU, every step is blocked on before the next (see ARCHITECTURE.md).
 
 from __future__ import annotations
 
-import os
-import sys
+from experiments.cpu_devices import force_cpu_devices
 
-if __name__ == "__main__" and "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in \
-        os.environ.get("XLA_FLAGS", ""):
-    # As the main job: 8 simulated CPU devices; the concurrency-optimized scheduler off (ARCHITECTURE.md).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+if __name__ == "__main__":  # as the main job: 8 simulated CPU devices, the concurrency-optimized scheduler off
+    force_cpu_devices(8)
 
 import argparse
 import json

@@ -50,13 +50,9 @@ all-reduce.
 
 from __future__ import annotations
 
-import os
-import sys
+from experiments.cpu_devices import force_cpu_devices
 
-if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # --audit compiles on 8 CPU devices when there is no accelerator (tracing needs none)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+force_cpu_devices(8)  # --audit compiles on 8 CPU devices when there is no accelerator (tracing needs none)
 
 import functools
 import json

@@ -38,12 +38,9 @@ them), where ``<out>`` is ``runs/reproduce`` (git-ignored), with ``--publish``
 
 from __future__ import annotations
 
-import os
-import sys
+from experiments.cpu_devices import force_cpu_devices
 
-if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+force_cpu_devices(8)
 
 import json
 from pathlib import Path
