@@ -656,6 +656,15 @@ def verdict(result: dict) -> str:
     return f"Targets ({result.get('precision', '')} precision): {met} of {len(tg)} met. {body}."
 
 
+def _flags_text(flags: str | None) -> str:
+    """The XLA:CPU scheduler setting the run compiled with, for the table's header ('' when not recorded)."""
+    if flags is None:
+        return ""
+    off = "--xla_cpu_enable_concurrency_optimized_scheduler=false" in flags
+    return ("; XLA:CPU's concurrency-optimized scheduler off, `--xla_cpu_enable_concurrency_optimized_scheduler=false`,"
+            " as the tests run" if off else "; XLA:CPU's default scheduler")
+
+
 def markdown(result: dict) -> str:
     rows = result["rows"]
     load = result.get("loadavg", {})
@@ -669,7 +678,8 @@ def markdown(result: dict) -> str:
          f"{prec_text}; {result['batch_per_device']} sequence(s) of {{seq_len}} + 1 tokens per device; parameters "
          "and optimizer state donated.  "),
         (f"Fits: peak <= {DEVICE_BYTES / 1e9:g} GB ({DEVICE_BYTES / GIB:.1f} GiB) per device.  Per-device GiB "
-         "from `compiled.memory_analysis()` (XLA:CPU's buffer assignment; temporaries on GPU/TPU differ).  "
+         "from `compiled.memory_analysis()` (XLA:CPU's buffer assignment; temporaries on GPU/TPU differ"
+         f"{_flags_text(result['machine'].get('xla_flags'))}).  "
          "Reference: a MaxText-style step for the same model (plain `jax.jit`, parameters and AdamW moments "
          "`NamedSharding`-sharded over the fast axis, batch over both axes, dense AdamW, no compjax).  "),
         (f"Load average before {', '.join(f'{x:.2f}' for x in load.get('before', []))}, after "
@@ -756,7 +766,7 @@ def main(argv=None) -> dict:
               "meshes": sorted({r["mesh"] for r in rows}), "device_bytes": DEVICE_BYTES, "vocab": VOCAB,
               "sizes": {s: SIZES[s] for s in sizes}, "methods": methods,
               "machine": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-                          "devices": jax.device_count()},
+                          "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
               "rows": rows, "targets": targets(rows)}
     result["provenance"] = records.provenance(command)
     result["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
