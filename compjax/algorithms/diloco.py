@@ -129,7 +129,6 @@ def _assigned(params: Any, fragments: int, assignment: Any) -> list[int | None]:
     return out
 
 
-
 def _unless(bad: jnp.ndarray, step: Any, updates: Any, new_state: Any, old: Any, params: Any,
             apply: bool = False) -> tuple:
     """``step(old, tied, params)`` (a pair: updates, new state) unless ``bad``, else zero updates and ``old``, bit for bit.

@@ -186,7 +186,6 @@ def any_nonfinite(xs: Sequence[jnp.ndarray]) -> jnp.ndarray:
     )
 
 
-
 def silenced(state: Any) -> Any:
     """``state`` with its ``payload_bytes`` set to 0, for a step in which the compressor was not called.
 

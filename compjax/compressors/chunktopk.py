@@ -357,7 +357,6 @@ def chunktopk(
     )
 
 
-
 class _Cut(NamedTuple):
     """How a sharded layer's tiles fall into its shards: whole tiles in every shard (static, but for the position).
 

@@ -118,7 +118,6 @@ def _corrected(us: list, vs: list, gs: list, momentum, nesterov: bool, skip, cou
     return out_u, out_v
 
 
-
 def _stage_index(count: jnp.ndarray, stages) -> jnp.ndarray:
     starts = jnp.asarray([s for s, _ in stages[1:]], jnp.int32)
     return jnp.sum(count >= starts).astype(jnp.int32)

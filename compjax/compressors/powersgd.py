@@ -273,7 +273,6 @@ def powersgd(
     )
 
 
-
 def _accumulated(e: jnp.ndarray, g: jnp.ndarray, bad, trips) -> jnp.ndarray:
     """``M = e + g`` (``e`` on a skipped step) in ``e``'s dtype, written in place of ``e``.
 
