@@ -38,6 +38,12 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 def zero_after(prev: jnp.ndarray) -> jnp.ndarray | None:
     """A uint32 scalar that is always 0 but that XLA must compute from ``prev`` (its first word).
 
+    XLA computes that word by the cheapest path: through an elementwise
+    producer (a cast, a product) it reads the producer's inputs, not the
+    whole result, so the token waits for the nearest non-elementwise producer
+    (a scatter, a reduction, a loop, a collective) and not for the passes
+    after it.
+
     Args:
       prev: any array.
 
