@@ -121,8 +121,9 @@ def sparse_layers_mean(
         the start of their layer, and each device scatter-adds only the pairs
         that fall in its shard, into a buffer of the shard's size.
       dtypes: one dtype per layer for its mean, or None (the leaves' dtypes).
-        With ``shards``, each layer's mean is cast as soon as it is summed and
-        the next layer's sum waits for that cast
+        Given, each layer's mean (each bucket group's, without ``shards``, when
+        its layers share a dtype) is cast as soon as it is summed and the next
+        one's sum waits for that cast
         (:func:`compjax.collectives.sparse_mean_segments`): one layer's sum in
         the values' dtype at a time.
 
@@ -138,6 +139,7 @@ def sparse_layers_mean(
         return [], [], 0
     if shards is not None:  # the layers' sums chained one after the other only when their dtypes are asked for
         return _sparse_shards_mean(leaves, select, axis_name, select_all, skip, shards, dtypes)
+    asked = dtypes is not None
     dtypes = [x.dtype for x in leaves] if dtypes is None else list(dtypes)
     bucket = make_bucket([x.shape for x in leaves])
     dtype = jnp.result_type(*leaves)
@@ -159,7 +161,10 @@ def sparse_layers_mean(
         pair_at.append(pair_at[-1] + int(idx.size))
     segments = [(pair_at[g[0]], pair_at[g[-1] + 1], 0,
                  bucket.offsets[g[-1]] + bucket.sizes[g[-1]] - bucket.offsets[g[0]]) for g in groups]
-    dense, nbytes = collectives.sparse_mean_segments(indices, values, segments, axis_name)
+    # Asked for their dtypes (DGC), the groups' sums are chained as on shards, where a group's leaves share one.
+    same = asked and all(len({jnp.dtype(dtypes[i]) for i in g}) == 1 for g in groups)
+    dense, nbytes = collectives.sparse_mean_segments(indices, values, segments, axis_name,
+                                                     dtypes=[dtypes[g[0]] for g in groups] if same else None)
     means: list[jnp.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
     for g, buf in zip(groups, dense):
         for i in g:
