@@ -8,9 +8,11 @@ workers with the skip counter at 1; dtypes are kept and odd leaves pass
 through; the state can be donated and holds no shared buffers; ``init`` runs
 under ``jit``; the second step does not recompile; ``shard_map``, ``pmap`` and
 ``vmap`` agree; the same key gives the same result; ``payload_bytes`` equals
-the compiled program's collectives.  Every ``update`` gets ``params`` (DiLoCo needs them; the
-compressors ignore them).  Transforms with local steps (``Case.local_steps``) skip a non-finite step on
-the worker that saw it only.
+the compiled program's collectives; ``parallel.data_parallel_step`` (the step
+builders' path through ``cj.apply_gradients``) gives what ``tx.update`` and
+``optax.apply_updates`` give.  Every ``update`` gets ``params`` (DiLoCo needs them;
+the compressors ignore them).  Transforms with local steps (``Case.local_steps``)
+skip a non-finite step on the worker that saw it only.
 """
 
 from __future__ import annotations
@@ -353,3 +355,37 @@ def test_every_key_form_gives_the_same_result(name):
         results.append(jax.tree.map(np.asarray, out))
     for r in results[1:]:
         assert_trees_equal(r, results[0], err=name)
+
+
+# --- the step builders users call ------------------------------------------------------------------------------
+
+
+def linear_loss(params, grads):
+    """``Σ <p, g>`` with ``g`` one worker's batch (the gradients with a leading 1): its gradient is ``g``."""
+    return sum(jnp.sum(p * g[0]) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads)))
+
+
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("topk",)))  # the full tier: every case
+def test_data_parallel_step_equals_update_then_apply_updates(mesh, name):
+    """``parallel.data_parallel_step`` (through ``cj.apply_gradients``, in place where the transform registers
+    it) gives the parameters and state of ``tx.update`` then ``optax.apply_updates`` on each worker."""
+    case = CASES[name]
+    tx = case.make(AXIS)
+    shapes = SHAPES if name == "dgc" else {"dense": SHAPES["dense"]}  # DGC's sampled threshold wants "big"
+    init = jax.tree.map(lambda x: x + 0.5, zeros_params(shapes))
+
+    def plain(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref = per_worker(plain, mesh)
+    step = parallel.data_parallel_step(linear_loss, tx, mesh)
+    params, state = parallel.replicate(init, mesh), parallel.init_worker_state(tx, init, mesh)
+    want_params = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), init), mesh)
+    want_state = put(stacked_init(tx, init), mesh)
+    for t in range(STEPS):
+        grads = local_grads(seed=t, shapes=shapes)
+        params, state, _ = step(params, state, parallel.shard_batch(grads, mesh))
+        want_params, want_state = ref(want_params, put(grads, mesh), want_state)
+        assert_trees_equal(params, want_params, atol=1e-5, err=f"{name}: parameters, step {t + 1}")
+        assert_trees_equal(state, want_state, atol=1e-5, err=f"{name}: state, step {t + 1}")
