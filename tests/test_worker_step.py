@@ -361,3 +361,16 @@ def test_a_worker_stacked_nnx_model_evaluates_through_nnx_unreplicate():
         one = parallel.nnx_unreplicate(model)
         assert one.l1.kernel.shape == (16, 64) and one.l2.kernel.shape == (64, 4)
         np.testing.assert_array_equal(np.asarray(one(x)), want)
+
+
+def test_worker_step_refuses_a_dimension_of_its_own_sharded_over_the_worker_axis():
+    """On a 2-D mesh a stacked leaf whose own dimension 0 (after the worker axis) is sharded over the worker
+    axis would hand each worker another worker's rows: refused, naming the leaf and the reason."""
+    mesh2 = parallel.make_2d_mesh(2, 4)
+    tx = optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1))
+    w = jnp.ones((4, 3))
+    own = jax.device_put(jnp.ones((2, 4, 3)), jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec(None, AXIS)))
+    with pytest.raises(ValueError, match=r"argument 0 is laid out .*a dimension of its own is sharded over the "
+                                         r"worker axis 'data'"):
+        parallel.worker_step(sgd_step(tx), mesh2)(own, parallel.init_worker_state(tx, w, mesh2),
+                                                  (jnp.ones((16, 4)), jnp.ones((16, 3))))
