@@ -84,6 +84,41 @@ def test_worker_bytes_takes_the_largest_branch_of_each_conditional():
         cj.worker_bytes(ops, mesh, axis_name="model")
 
 
+class _CountedScans(list):
+    """A list that counts how many times it is iterated (worker_bytes scans its per-collective counts)."""
+
+    scans = 0
+
+    def __iter__(self):
+        type(self).scans += 1
+        return super().__iter__()
+
+
+def test_worker_bytes_descends_only_into_the_conditionals_nested_under_each_branch(monkeypatch):
+    """Nested conditionals under different parents (Streaming DiLoCo: each fragment's sync loop inside its own
+    branch): each branch's total adds only the conditionals nested in it, so the scans of the collectives grow
+    with the branches, not with the product of the conditionals at each depth."""
+    def op(nbytes, branch):
+        return Collective("all-gather", (("u8", (nbytes,)),), nbytes, "ag", None, ("x/compjax/gathered_mean/ag",),
+                          "", branch)
+
+    parents, depth = 8, 4
+    ops = [op(1, ())]
+    for p in range(parents):  # parent p: a chain of `depth` conditionals, p + d + 2 bytes at depth d, branch 0
+        chain = ()
+        for d in range(depth):
+            chain += ((f"c{p}_{d}", 0),)
+            ops.append(op(p + d + 2, chain))
+        ops.append(op(1, ((f"c{p}_0", 1),)))  # the other branch of the outermost one: 1 byte
+    want = 1 + sum(sum(p + d + 2 for d in range(depth)) for p in range(parents))
+    real = cj.accounting._worker_counts
+    monkeypatch.setattr(cj.accounting, "_worker_counts", lambda *a: _CountedScans(real(*a)))
+    _CountedScans.scans = 0
+    assert cj.worker_bytes(ops) == want
+    branches = {op.branch[:i] for op in ops for i in range(len(op.branch) + 1)}
+    assert _CountedScans.scans <= 2 * len(branches), _CountedScans.scans  # two scans per branch visited
+
+
 def test_the_fast_axis_sum_of_a_whole_leaf_is_labelled_compjax():
     mesh, _, ops = _run("sharded", optax.chain(cj.topk(0.25, axis_name="data"), optax.sgd(0.1)))
     inside = [op for op in ops if cj.accounting.collective_axes(op, mesh) == ("fast",) and op.op == "all-reduce"]
