@@ -140,3 +140,25 @@ def test_sharded_step_applies_in_place():
 def test_registration_checks_its_function():
     with pytest.raises(TypeError, match="apply must be a function"):
         applying.applies_in_place(optax.sgd(0.1), "not a function")
+
+
+def _scaled_by_gain():
+    """An inner transform that reads an extra argument: ``updates * gain`` (``gain`` passed to ``update``)."""
+
+    def update(updates, state, params=None, *, gain, **extra_args):
+        del params, extra_args
+        return jax.tree.map(lambda u: u * gain, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_extra_args_reach_the_inner_optimizer_of_the_in_place_step():
+    """``cj.apply_gradients(tx, ..., gain=g)`` passes ``gain`` on to ``tx``'s in-place step as ``tx.update`` gets
+    it: the first inner step (no sync before step 2) moves the parameters by ``-0.1 * gain * g``."""
+    tx = cj.diloco(optax.chain(_scaled_by_gain(), optax.sgd(0.1)), sync_every=2, axis_name=None)  # one worker
+    assert applying.in_place_apply(tx) is not None
+    params = {"w": jnp.arange(4.0)}
+    grads = {"w": jnp.array([1.0, -2.0, 0.5, 4.0])}
+    got, state = jax.jit(lambda g, s, p: cj.apply_gradients(tx, g, s, p, gain=0.25))(grads, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.arange(4.0) - 0.1 * 0.25 * np.asarray(grads["w"]), rtol=1e-6)
+    assert int(state.count) == 1
