@@ -128,3 +128,18 @@ def test_nested_counters_read_zero_on_micro_steps():
         _, s = vstep(s, {"w": jnp.arange(16.0).reshape(WORKERS, 4) + t})
         sent.append(int(cj.payload_bytes(s)[0]))
     assert sent[0] == sent[2] == 0 and sent[1] == sent[3] > 4  # more than delayed averaging's 4-byte vote
+
+
+def test_counters_follow_optax_multisteps():
+    """``gradient_step`` counts inner steps (one every K micro-steps) and ``mini_step`` the micro-steps since
+    the last, step by step as ``optax.MultiSteps``' state does."""
+    ours, ref = cj.multi_steps(optax.sgd(0.1), K), optax.MultiSteps(optax.sgd(0.1), K)
+    params = {"w": jnp.ones(3)}
+    s, r = ours.init(params), ref.init(params)
+    up, rup = jax.jit(ours.update), jax.jit(ref.update)
+    for t in range(2 * K + 1):
+        g = {"w": jnp.full(3, float(t))}
+        _, s = up(g, s, params)
+        _, r = rup(g, r, params)
+        assert (int(s.gradient_step), int(s.mini_step)) == (int(r.gradient_step), int(r.mini_step)) == (
+            (t + 1) // K, (t + 1) % K), f"micro-step {t + 1}"
