@@ -116,7 +116,7 @@ def test_compute_dtype_halves_the_gradient_bytes_the_loss_produces():
     assert casts["f32"] == set()
 
 
-@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope", 3])
+@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope", 3, jnp.complex64])  # complex: not floating
 def test_compute_dtype_must_be_a_floating_point_dtype(bad):
     mesh = parallel.make_mesh(SLOW * FAST)
     tx = optax.chain(cj.identity(axis_name="data"), optax.sgd(LR))
@@ -156,7 +156,7 @@ def test_compute_cast_is_astype_forward_and_keeps_the_gradient_in_bfloat16():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want))  # the same bfloat16 values
 
 
-@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope"])
+@pytest.mark.parametrize("bad", ["int32", jnp.int8, "nope", "complex64"])
 def test_compute_cast_dtype_must_be_a_floating_point_dtype(bad):
     with pytest.raises(ValueError, match="dtype"):
         parallel.compute_cast({"w": jnp.ones(3)}, bad)
