@@ -179,3 +179,14 @@ def test_torch_compare_writes_under_runs_unless_published(publish, monkeypatch, 
     assert on_disk == json.loads(json.dumps(result)) and on_disk["rows"][0]["ratio"] == 0.5
     md = (written / "benchmarks" / "torch_compare.md").read_text()
     assert "| w | c | 1.0 | t | 2.0 | 0.50 |" in md
+
+
+# --- the device check -----------------------------------------------------------------------------------------
+
+
+def test_skip_names_whole_sections_whose_names_hold_commas():
+    """``--skip`` takes the sections' whole names, commas inside them included."""
+    every = ",".join(bench.SECTIONS)
+    assert any("," in name for name in bench.SECTIONS)
+    assert all(bench.skipped(name, every) for name in bench.SECTIONS)
+    assert not any(bench.skipped(name, "cost growth,dgc(0.001)") for name in bench.SECTIONS)

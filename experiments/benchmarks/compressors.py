@@ -496,6 +496,20 @@ def peak_bytes(compiled) -> int | None:
         return None
 
 
+def skipped(section: str, skip: str) -> bool:
+    """Whether ``--skip`` names ``section``: its whole name between commas (or the ends) of ``skip``; a section
+    name may hold commas itself (``"cost growth, 1M to 64M parameters on one leaf"``).
+
+    Examples:
+      >>> skipped("cost growth, 1M to 64M parameters on one leaf", "one uniform draw per parameter,cost growth, 1M "
+      ...         "to 64M parameters on one leaf")
+      True
+      >>> skipped("cost growth, 1M to 64M parameters on one leaf", "cost growth")
+      False
+    """
+    return f",{section}," in f",{skip},"
+
+
 def run(args: argparse.Namespace) -> dict:
     """The main table (one row per compressor, the floor first) and every section of :data:`SECTIONS`.
 
@@ -537,7 +551,7 @@ def run(args: argparse.Namespace) -> dict:
                     "peak_bytes": dense_peak, "samples": len(floor_samples)})
     sections = {}
     for sname, fn in SECTIONS.items():
-        if sname not in args.skip.split(","):
+        if not skipped(sname, args.skip):
             sections[sname] = fn(args)
     return {
         "command": shlex.join([*PROG.split(), *args.argv]),
@@ -738,7 +752,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated names of compressors as in the table, e.g. "
                    "'topk(0.01),onebit' (all sections use them; an unknown name is an error)")
-    p.add_argument("--skip", default="", help="comma-separated names of sections to leave out")
+    p.add_argument("--skip", default="", help="comma-separated names of sections to leave out, each whole "
+                   "(the names hold commas of their own: e.g. 'cost growth, 1M to 64M parameters on one leaf')")
     p.add_argument("--small", action="store_true",
                    help="tiny inputs in every section: 11 narrow leaves, a linear model in the step section (tests)")
     records.add_output_arguments(p, "benchmarks")
