@@ -100,6 +100,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 #: Simulated CPU devices the default run needs: 70B on the 2 x 32 mesh.
 MAX_DEVICES = 64
@@ -373,6 +374,20 @@ def reference_step(loss_fn, tx: optax.GradientTransformation, mesh, param_specs,
                    out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
 
 
+class Built(NamedTuple):
+    """One configuration's training step and its abstract inputs (:func:`build`)."""
+
+    step: Any  #: the step (``parallel.data_parallel_step``'s, or :func:`reference_step`'s): has ``.lower``
+    inputs: tuple  #: ``(params, opt_state, batch)`` as ``jax.ShapeDtypeStruct`` s with their ``NamedSharding``
+    row: dict  #: the configuration's name and logical sizes, the first columns of :func:`measure`'s row
+
+
+def compiler_options() -> dict | None:
+    """:data:`COMPILER_OPTIONS` on the CPU backend; None (the compiler's defaults) on a GPU or TPU, whose
+    memory is then that of the program a training run compiles."""
+    return COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+
+
 def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixed", batch_per_device: int = 1,
             vocab: int | None = None) -> dict:
     """Compile one configuration's training step from abstract inputs and read its memory analysis.
@@ -400,6 +415,39 @@ def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixe
     Raises:
       ValueError: an unknown ``layout`` or ``method``, the reference's method with another layout, or a
         method of :data:`FLAT_INDEX_METHODS` on a model with a leaf of 2**31 elements or more.
+    """
+    built = build(size, method, layout, mesh, precision=precision, batch_per_device=batch_per_device, vocab=vocab)
+    t0 = time.perf_counter()
+    lowered = built.step.lower(*built.inputs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=compiler_options())
+    lower_s, compile_s = t1 - t0, time.perf_counter() - t1
+    return memory_row(built, compiled, lower_s=lower_s, compile_s=compile_s)
+
+
+def memory_row(built: Built, compiled, *, lower_s: float = 0.0, compile_s: float = 0.0) -> dict:
+    """:func:`measure`'s row of a configuration from its compiled step (``compiled.memory_analysis()``)."""
+    ma = compiled.memory_analysis()
+    row = {
+        **built.row,
+        "argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes), "temp": int(ma.temp_size_in_bytes),
+        "code": int(ma.generated_code_size_in_bytes), "lower_s": lower_s, "compile_s": compile_s,
+    }
+    row["peak"] = row["argument"] + row["output"] - row["alias"] + row["temp"]
+    row["fits"] = row["peak"] <= DEVICE_BYTES
+    return row
+
+
+def build(size: str, method: str, layout: str, mesh, *, precision: str = "mixed", batch_per_device: int = 1,
+          vocab: int | None = None) -> Built:
+    """One configuration's training step and abstract inputs (nothing allocated, nothing compiled).
+
+    Args and Raises: as :func:`measure`.
+
+    Returns:
+      :class:`Built`: the step, its inputs and the row's first columns (``size``, ``mesh``, ``method``,
+      ``layout``, ``precision``, ``params``, ``param_bytes``, ``state_bytes``, ``whole_state_bytes``).
     """
     if (method == REFERENCE) != (layout == REFERENCE_LAYOUT):
         raise ValueError(f"method {REFERENCE!r} goes with layout {REFERENCE_LAYOUT!r} and only with it, got "
@@ -440,23 +488,12 @@ def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixe
         s_in = _structs(state, jax.tree.map(lambda _: spec, state), mesh, slow * fast)
         whole_bytes = 0
         step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=FAST_AXIS, donate=True)
-    t0 = time.perf_counter()
-    lowered = step.lower(p_in, s_in, batch)
-    t1 = time.perf_counter()
-    compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    lower_s, compile_s = t1 - t0, time.perf_counter() - t1
-    ma = compiled.memory_analysis()
     row = {
         "size": size, "mesh": f"{slow}x{fast}", "method": method, "layout": layout, "precision": precision,
         "params": int(sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(params))),
         "param_bytes": _tree_bytes(params), "state_bytes": _tree_bytes(state), "whole_state_bytes": whole_bytes,
-        "argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
-        "alias": int(ma.alias_size_in_bytes), "temp": int(ma.temp_size_in_bytes),
-        "code": int(ma.generated_code_size_in_bytes), "lower_s": lower_s, "compile_s": compile_s,
     }
-    row["peak"] = row["argument"] + row["output"] - row["alias"] + row["temp"]
-    row["fits"] = row["peak"] <= DEVICE_BYTES
-    return row
+    return Built(step, (p_in, s_in, batch), row)
 
 
 def _describe(e: Exception) -> str:
