@@ -190,3 +190,41 @@ def test_skip_names_whole_sections_whose_names_hold_commas():
     assert any("," in name for name in bench.SECTIONS)
     assert all(bench.skipped(name, every) for name in bench.SECTIONS)
     assert not any(bench.skipped(name, "cost growth,dgc(0.001)") for name in bench.SECTIONS)
+
+
+@pytest.mark.slow  # the device check's dry run: a tiny memory step, two compressors, 3 steps of the main job (~80 s)
+def test_device_check_dry_run_writes_one_report(roots, tmp_path):
+    from experiments.benchmarks import device_check, memory
+
+    result = device_check.main(["--dry-run", "--out-dir", str(tmp_path)])
+    assert files_under(tmp_path) == ["device_check.json", "device_check.md", "main_job.jsonl"]
+    assert json.loads((tmp_path / "device_check.json").read_text()) == json.loads(json.dumps(result, default=str))
+    sections = result["sections"]
+    assert list(sections) == ["memory", "compressors", "main_job"]
+    assert all(s["ok"] and s["wall_s"] > 0 for s in sections.values()), {k: s.get("error") for k, s in
+                                                                           sections.items()}
+    mem = sections["memory"]
+    aot = mem["aot"]
+    assert (aot["size"], aot["method"], aot["layout"], aot["mesh"]) == ("tiny", "dense", "replicated", "1x8")
+    assert aot["peak"] == aot["argument"] + aot["output"] - aot["alias"] + aot["temp"] > aot["param_bytes"]
+    assert aot["param_bytes"] == 4 * aot["params"] and len(mem["loss"]) == 2
+    assert all(math.isfinite(x) and 0 < x < 2 * math.log(memory.TINY_VOCAB) for x in mem["loss"])
+    assert mem["measured_peak"] is None and "no memory statistics" in mem["note"]  # CPU: no allocator counters
+    comp = sections["compressors"]
+    assert [r["name"] for r in comp["rows"]][1:] == ["identity", "topk(0.01)"] and comp["sections"] == {}
+    assert comp["floor_bytes_per_s"] > 0 and comp["nominal_hbm_bytes_per_s"] is None
+    assert {t["target"] for t in comp["targets"]} == {"update <= 4x floor"}
+    job = sections["main_job"]
+    assert job["steps"] == 3 and job["params_finite"] and job["compression_ratio"] > 10
+    md = (tmp_path / "device_check.md").read_text()
+    assert "dry run" in md and all(f"## {name}" in md for name in sections)
+    assert "| tiny dense replicated 1x8 |" in md and "| topk | 3 |" in md
+
+
+def test_device_check_refuses_unknown_sections_and_methods():
+    from experiments.benchmarks import device_check
+
+    for argv, flag in ((["--sections", "memory,nope"], "--sections"), (["--memory-method", "nope"],
+                                                                       "--memory-method")):
+        with pytest.raises(SystemExit, match=flag):
+            device_check.main(["--dry-run", *argv])
