@@ -61,15 +61,19 @@ def run_vmap(tx, steps, n, seed=1, params=None):
 # --- NumPy reference ---------------------------------------------------------------------------------
 
 
-def np_diloco(steps, n, *, H, lr, outer_lr, momentum, nesterov, P=1, tau=0, alpha=0.5, ratio=None, seed=1):
+def np_diloco(steps, n, *, H, lr, outer_lr, momentum, nesterov, P=1, tau=0, alpha=0.5, ratio=None, seed=1,
+              init=None, cs=None):
     """Douillard et al. 2023 / 2025 (Alg. 2) in float64, on the quadratic losses of ``targets``.
+
+    ``init`` and ``cs`` replace ``init_params()`` and ``targets(steps, n, seed)`` (another tree: the initial
+    parameters and, per step, the worker-stacked minima).
 
     Inner: plain SGD(lr) per worker.  Fragment p (layers strided, offset (p H) // P) syncs after step s
     when (s - t_p) mod H == 0: Δ_i = θ_g - θ_i; mean of C(Δ_i) (C: top-k with error feedback per worker
     and leaf when ``ratio``); optax-style SGD with (Nesterov) momentum on the mean; θ_g moves; the workers
     take θ_g (tau = 0) or, tau steps later, α θ_i + (1 - α) θ_g.
     """
-    theta0 = init_params()
+    theta0 = init_params() if init is None else init
     leaves0, treedef = jax.tree.flatten(theta0)
     frags = fragment_assignment(theta0, P)
     offsets = [(p * H) // P for p in range(P)]
@@ -94,7 +98,7 @@ def np_diloco(steps, n, *, H, lr, outer_lr, momentum, nesterov, P=1, tau=0, alph
         step = mean + momentum * trace[i] if nesterov else trace[i]
         return anchor[i] - outer_lr * step
 
-    for t, c in enumerate(targets(steps, n, seed)):
+    for t, c in enumerate(targets(steps, n, seed) if cs is None else cs):
         s = t + 1
         cs = [jax.tree.leaves(jax.tree.map(lambda x, w=w: x[w], c)) for w in range(n)]
         for w in range(n):
