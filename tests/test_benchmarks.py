@@ -210,6 +210,11 @@ def test_device_check_dry_run_writes_one_report(roots, tmp_path):
     assert aot["param_bytes"] == 4 * aot["params"] and len(mem["loss"]) == 2
     assert all(math.isfinite(x) and 0 < x < 2 * math.log(memory.TINY_VOCAB) for x in mem["loss"])
     assert mem["measured_peak"] is None and "no memory statistics" in mem["note"]  # CPU: no allocator counters
+    from compjax import parallel
+
+    again = memory.measure("tiny", "dense", "replicated", parallel.make_2d_mesh(1, 8))  # the benchmark's figure
+    assert {k: again[k] for k in ("argument", "output", "alias", "temp", "peak")} == {
+        k: aot[k] for k in ("argument", "output", "alias", "temp", "peak")}
     comp = sections["compressors"]
     assert [r["name"] for r in comp["rows"]][1:] == ["identity", "topk(0.01)"] and comp["sections"] == {}
     assert comp["floor_bytes_per_s"] > 0 and comp["nominal_hbm_bytes_per_s"] is None
@@ -219,6 +224,21 @@ def test_device_check_dry_run_writes_one_report(roots, tmp_path):
     md = (tmp_path / "device_check.md").read_text()
     assert "dry run" in md and all(f"## {name}" in md for name in sections)
     assert "| tiny dense replicated 1x8 |" in md and "| topk | 3 |" in md
+
+
+@pytest.mark.slow  # compiles and runs the tiny memory step (~15 s)
+def test_device_check_measures_the_allocators_peak_from_before_the_inputs(monkeypatch, tmp_path):
+    """With allocator statistics (a GPU or TPU; here stand-ins): the measured peak is the peak less the bytes in
+    use before the inputs were made, and its ratio to the AOT peak is reported."""
+    from experiments.benchmarks import device_check
+
+    readings = iter([(1_000, 1_000), (5_000, 5_000), (6_000, 9_000_000)])  # before inputs, after, after the steps
+    monkeypatch.setattr(device_check, "_device_bytes", lambda: next(readings))
+    mem = device_check.main(["--dry-run", "--sections", "memory", "--out-dir", str(tmp_path)])["sections"]["memory"]
+    assert mem["ok"] and mem["bytes_in_use_before_inputs"] == 1_000 and mem["peak_bytes_in_use"] == 9_000_000
+    assert mem["measured_peak"] == 8_999_000 and mem["note"] == ""
+    assert mem["measured_over_aot"] == pytest.approx(8_999_000 / mem["aot"]["peak"])
+    assert f"| 8.58 MiB | {mem['measured_over_aot']:.2f} |" in (tmp_path / "device_check.md").read_text()
 
 
 def test_device_check_refuses_unknown_sections_and_methods():
