@@ -198,3 +198,38 @@ def test_a_pmap_programs_collective_over_another_axis_is_named(mesh):
     with pytest.raises(ValueError, match=r"collective in the step names the axis 'batch' that is not bound here.*"
                                          r"binds the worker axis 'data' alone"):
         step(parallel.replicate(jnp.ones(3), mesh), jnp.ones((16, 3)))
+
+
+# --- flax.training.checkpoints on the worker-stacked state -----------------------------------------------------
+
+
+@pytest.mark.slow  # orbax writes and reads a checkpoint
+def test_flax_checkpoints_round_trip_the_worker_stacked_state(mesh, tmp_path):
+    """The documented form: ``step=int(state.step[0])`` (``int(state.step)`` of the stacked step is numpy's
+    TypeError), and a restore that first checks a checkpoint is there (flax hands back the target otherwise)."""
+    from flax.training import checkpoints, train_state
+
+    tx = optax.chain(cj.topk(0.5, axis_name=AXIS), optax.adam(0.01))
+
+    def fresh():
+        return parallel.replicate(train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx), mesh)
+
+    def train_step(state, x, y):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
+
+    step = parallel.worker_step(train_step, mesh, batch_argnums=(1, 2))
+    state = fresh()
+    for seed in range(2):
+        state = jax.block_until_ready(step(state, *data(seed=seed)))
+    with pytest.raises(TypeError):
+        int(state.step)  # the one-device habit: the step counter has a worker axis now
+    assert checkpoints.latest_checkpoint(str(tmp_path)) is None  # nothing there: restore would return the target
+    checkpoints.save_checkpoint(str(tmp_path), state, step=int(state.step[0]))
+    assert checkpoints.latest_checkpoint(str(tmp_path)).endswith("checkpoint_2")
+    restored = checkpoints.restore_checkpoint(str(tmp_path), target=fresh())
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(cj.payload_bytes(restored.opt_state)[0]) > 0  # the compressor's state came back, every worker's
+    a, b = step(restored, *data(seed=5)), step(state, *data(seed=5))
+    for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -442,12 +442,12 @@ def worker_step(
                 "parallel.worker_step when independent workers are meant (local SGD)",
                 UserWarning, stacklevel=3)
 
-    warned_tx: set = set()
+    read_tx: list = []  # whether the optimizers were read (at the first call)
 
     def step(*args):
-        for tx in _transforms_of(fn, args):
-            if id(tx) not in warned_tx:
-                warned_tx.add(id(tx))
+        if not read_tx:
+            read_tx.append(True)
+            for tx in _transforms_of(fn, args):
                 clip.warn_local_norms(tx)
         objs, jargs = prepare(args)
         warn_if_apart(jargs)
