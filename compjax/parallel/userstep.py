@@ -32,7 +32,7 @@ from compjax.parallel.core import (
     is_graph_node,
     load_nnx,
 )
-from compjax.parallel.mesh import check_axis
+from compjax.parallel.mesh import check_axis, check_cpu_pool
 from compjax.parallel.placement import is_padded_array, put, shard_batch
 
 
@@ -252,6 +252,7 @@ def worker_step(
       ((8,), 20)
     """
     check_axis(mesh, axis_name)
+    check_cpu_pool(mesh)
     check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
     others = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
