@@ -72,10 +72,10 @@ def test_the_collective_time_out_flag_is_the_one_xla_aborts_on():
     warn = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1"  # the 20 s before the count starts, cut to 1
     code = "from experiments.cpu_devices import force_cpu_devices\nforce_cpu_devices(4)\n" + LATE_DEVICE
     short = subprocess.run([sys.executable, "-c", code.format(late=4)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env={**env, "XLA_FLAGS": f"{warn} {TIMEOUT_FLAG}=1"})
+                           check=False, timeout=300, env={**env, "XLA_FLAGS": f"{warn} {TIMEOUT_FLAG}=1"})
     assert short.returncode != 0 and "Termination timeout" in short.stderr, short.stderr[-2000:]
     raised = subprocess.run([sys.executable, "-c", code.format(late=4)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={**env, "XLA_FLAGS": f"{warn} {TIMEOUT_FLAG}=8"})
+                            check=False, timeout=300, env={**env, "XLA_FLAGS": f"{warn} {TIMEOUT_FLAG}=8"})
     assert raised.returncode == 0 and "sum 6.0" in raised.stdout, raised.stderr[-2000:]
 
 

@@ -611,9 +611,10 @@ def _unbound_axis(e: BaseException, axis_name: str) -> ValueError | None:
             axes = axes if axes is not None else frame.f_locals.get("axis_name")
     named = f" {axes!r}" if isinstance(axes, (str, tuple)) else ""
     if scale:
+        given = f"axis_name={axes!r}" if named else "an axis_name"
         return ValueError(
-            f"the step calls flax.training.dynamic_scale.DynamicScale.value_and_grad with axis_name{'=' if named else ''}"
-            f"{named.strip()}, which averages the gradients over that axis itself (lax.pmean), and the worker axis "
+            f"the step calls flax.training.dynamic_scale.DynamicScale.value_and_grad with {given}, which "
+            f"averages the gradients over that axis itself (lax.pmean), and the worker axis "
             f"here is {axis_name!r}. Call it without axis_name (value_and_grad(loss_fn)): each worker scales and "
             "checks its own gradients, the compjax compressor in the optimizer averages them over the workers, and "
             "its non-finite vote makes every worker skip a step together")
