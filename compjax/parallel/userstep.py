@@ -309,7 +309,8 @@ def worker_step(
                     "(replicated with parallel.nnx_replicate, like the model)"
                 ) from e
             raise
-        trained[_trace_key(graphdef, kinds, (gstate, stacked, batches, keys))] = _updates_optimizer(objs, stacked, out)
+        key = _trace_key(graphdef, kinds, (gstate, stacked, batches, keys))
+        trained[key] = _updates_optimizer(objs, stacked, out)
         out = workers.average_leaves(out, names, axis_name)
         if objs:
             if saved is not None:
@@ -515,7 +516,6 @@ def _keep_layout(out: Any, lay: _Layout) -> Any:
     return out
 
 
-
 def _trace_key(graphdef: Any, kinds: tuple, dynamic: tuple) -> tuple:
     """What identifies one trace of the step's body: its static arguments and the structure of the rest."""
     return graphdef, kinds, jax.tree.structure(dynamic)
@@ -596,8 +596,8 @@ def _unbound_axis(e: BaseException, axis_name: str) -> ValueError | None:
     traceback: frames of ``jax/_src/lax/parallel.py`` (the collectives) or of
     ``flax/training/dynamic_scale.py``.  None when ``e`` is something else.
     """
-    if not isinstance(e, (AssertionError, NameError)):
-        return None
+    if not isinstance(e, (AssertionError, NameError)) or (isinstance(e, AssertionError) and str(e)):
+        return None  # JAX's is a bare assertion: one with a message is the user's own
     collective, scale, axes = False, False, None
     tb = e.__traceback__
     while tb is not None:
