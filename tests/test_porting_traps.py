@@ -233,3 +233,21 @@ def test_flax_checkpoints_round_trip_the_worker_stacked_state(mesh, tmp_path):
     a, b = step(restored, *data(seed=5)), step(state, *data(seed=5))
     for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --- the docs' account of worker_step's meshes -----------------------------------------------------------------
+
+
+def test_the_layout_page_says_worker_step_runs_on_two_level_and_three_axis_meshes():
+    """layout.md once said worker_step took 1-D meshes only; it runs on ``slow x fast`` meshes and on a
+    ``(data, fsdp, tensor)`` mesh with the model's own annotations (tests/test_user_step_2d.py, _mesh3.py)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "concepts" / "layout.md").read_text()
+    section = page.split("## A user's own step", 1)[1].split("\n## ", 1)[0]
+    assert "2-D meshes and sharded parameters take" not in section
+    assert "`slow x fast` mesh" in section and "`(data, fsdp, tensor)` mesh" in section
+    assert "nnx.with_partitioning" in section and "evaluation step" in section
+    for test in ("test_user_step_2d.py", "test_user_step_mesh3.py"):
+        assert (root / "tests" / test).exists()
