@@ -158,8 +158,8 @@ def test_a_jit_step_over_sharded_arguments_warns_that_nothing_is_exchanged(mesh)
 # --- Flax's DynamicScale ---------------------------------------------------------------------------------------
 
 
-def test_dynamic_scale_with_an_axis_is_named_with_the_fix(mesh):
-    """Flax's mixed-precision recipe: ``value_and_grad(..., axis_name=...)`` of the scale pmeans the gradients."""
+def dynamic_scale_case(mesh):
+    """Flax's mixed-precision recipe on the worker-stacked layout: ``(state, step_over(axis))``."""
     from flax.training import dynamic_scale, train_state
 
     class State(train_state.TrainState):
@@ -168,7 +168,6 @@ def test_dynamic_scale_with_an_axis_is_named_with_the_fix(mesh):
     tx = optax.chain(cj.topk(0.5, axis_name=AXIS), optax.sgd(0.1))
     ts = parallel.replicate(State.create(apply_fn=None, params=PARAMS, tx=tx,
                                          dynamic_scale=dynamic_scale.DynamicScale()), mesh)
-    x, y = data()
 
     def train_step_over(axis):
         def train_step(state, x, y):
@@ -179,6 +178,14 @@ def test_dynamic_scale_with_an_axis_is_named_with_the_fix(mesh):
 
         return parallel.worker_step(train_step, mesh, batch_argnums=(1, 2))
 
+    return ts, train_step_over
+
+
+def test_dynamic_scale_with_an_axis_is_named_with_the_fix(mesh):
+    """``value_and_grad(..., axis_name=...)`` of Flax's DynamicScale pmeans the gradients itself."""
+    ts, train_step_over = dynamic_scale_case(mesh)
+    x, y = data()
+
     # the ImageNet example's axis, which worker_step does not bind: JAX's bare AssertionError before
     with pytest.raises(ValueError, match=r"DynamicScale\.value_and_grad with axis_name='batch'.*averages the "
                                          r"gradients.*worker axis here is 'data'.*Call it without axis_name"):
@@ -187,10 +194,16 @@ def test_dynamic_scale_with_an_axis_is_named_with_the_fix(mesh):
     with pytest.raises(ValueError, match=r"already invariant.*Flax's DynamicScale\(axis_name=\.\.\.\) pmeans the "
                                          r"gradients itself: build it without axis_name"):
         train_step_over(AXIS)(ts, x, y)
-    with warnings.catch_warnings():  # without an axis it trains, the compressor sending
+
+
+@pytest.mark.slow  # compiles the step
+def test_dynamic_scale_without_an_axis_trains_with_the_compressor_sending(mesh):
+    ts, train_step_over = dynamic_scale_case(mesh)
+    with warnings.catch_warnings():
         warnings.simplefilter("error")
-        new = train_step_over(None)(ts, x, y)
+        new = train_step_over(None)(ts, *data())
     assert np.all(cj.payload_bytes(new.opt_state) > 0)
+    assert np.all(np.asarray(new.step) == 1)
 
 
 def test_a_pmap_programs_collective_over_another_axis_is_named(mesh):
