@@ -116,6 +116,9 @@ def algorithm(name: str):
         # DiLoCo, 2 fragments with overlap: each fragment's sync in a loop of 0 or 1 trips; NaN on a sync step
         "diloco": (cj.diloco(optax.adam(0.01), sync_every=2, fragments=2, overlap=1, compressor=top,
                              axis_name=AXIS), (1, 2)),
+        # an inner optimizer that exchanges itself: its collectives must run on every worker, local skip or not
+        "diloco_inner_exchange": (cj.diloco(optax.chain(cj.topk(0.5, axis_name=AXIS), optax.adam(0.01)),
+                                            sync_every=3, axis_name=AXIS), (1, 2)),
         "sparseloco": (cj.sparseloco(optax.adam(0.01), sync_every=2, k=4, chunk=8, axis_name=AXIS), (1, 2)),
         "demo": (cj.demo(0.01, k=4, chunk=8, axis_name=AXIS), (2,)),
         "multi_steps": (cj.multi_steps(optax.chain(top, optax.sgd(0.1)), 3), (1, 2)),

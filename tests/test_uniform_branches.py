@@ -1,8 +1,8 @@
 """No collective is reached by some workers only: every branch around one is taken alike on every worker.
 
 For each algorithm with a branch (``lax.cond``, ``lax.switch``, a loop of 0 or 1 trips) around a collective
-(delayed averaging's arrival, DiLoCo's fragment syncs with overlap, SparseLoCo's, ``cj.multi_steps``' emit step,
-``cj.apply_if_finite``'s vote), a subprocess trains 6 steps on 8 workers whose targets differ and 3 of which get NaN
+(delayed averaging's arrival, DiLoCo's fragment syncs with overlap, DiLoCo whose inner optimizer exchanges too,
+SparseLoCo's, ``cj.multi_steps``' emit step, ``cj.apply_if_finite``'s vote), a subprocess trains 6 steps on 8 workers whose targets differ and 3 of which get NaN
 gradients at a sync (or arrival, or emit) step, and gathers each branch predicate over the workers before the
 branch (:mod:`tests.branch_probe`): the predicate of every branch that holds a collective is the same on all 8
 workers at every step, and the NaNs did make a local predicate differ (the inputs really differ per worker).
@@ -30,6 +30,7 @@ BRANCHES = {
     "skip": "cond@finite.py",
     "delayed_averaging": "cond@delayed.py",
     "diloco": "fori_loop@diloco.py",
+    "diloco_inner_exchange": "fori_loop@diloco.py",  # its inner top-k is selected around, never skipped locally
     "sparseloco": "fori_loop@diloco.py",
     "multi_steps": "cond@multi_steps.py",
     "demo": None,
