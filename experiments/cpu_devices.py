@@ -15,7 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["force_cpu_devices"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "TIMEOUT_FLAG", "force_cpu_devices"]
+
+#: XLA:CPU's flag (jaxlib 0.10.2) for the seconds a device waits in a collective's rendezvous, after its 20 s
+#: "may be stuck" warning, before XLA aborts the process (default 40).  The same name as
+#: ``compjax.parallel.mesh.TIMEOUT_FLAG``; written out here because this module runs before JAX is imported.
+TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+#: What the scripts and the tests raise it to: a starved device's thread arrives, a real deadlock still ends.
+COLLECTIVE_TIMEOUT_S = 300
 
 
 def force_cpu_devices(n: int, *, concurrency_optimized_scheduler: bool = False) -> bool:
@@ -28,6 +35,10 @@ def force_cpu_devices(n: int, *, concurrency_optimized_scheduler: bool = False) 
     threads as devices, a queued launch can hold the thread that one device
     of a running program with collectives needs, and the program deadlocks
     (XLA aborts it after 40 s).  Twice the devices leaves room for both.
+    On a loaded machine a device's thread can also start late; XLA then
+    aborts a collective the other devices have waited in for 20 s + 40 s:
+    ``--xla_cpu_collective_call_terminate_timeout_seconds`` raises the 40 s
+    to :data:`COLLECTIVE_TIMEOUT_S`, unless ``XLA_FLAGS`` already sets it.
 
     Args:
       n: devices, an integer >= 1.
@@ -49,6 +60,8 @@ def force_cpu_devices(n: int, *, concurrency_optimized_scheduler: bool = False) 
     if "jax" in sys.modules or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return False
     flags = [f"--xla_force_host_platform_device_count={n}"]
+    if TIMEOUT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        flags.append(f"{TIMEOUT_FLAG}={COLLECTIVE_TIMEOUT_S}")
     if not concurrency_optimized_scheduler:
         flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()

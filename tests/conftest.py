@@ -17,6 +17,13 @@ NUM_WORKERS = 8  # the devices the root conftest.py asks for
 
 os.environ.setdefault("PJRT_NPROC", str(2 * NUM_WORKERS))
 
+# On a loaded machine one device's thread can start a collective late: XLA:CPU aborts the process once the others
+# have waited 20 s + 40 s ("Termination timeout ... only 6 of them arrived").  The flag raises the 40 s (read when
+# the CPU client starts); subprocesses inherit it.
+TIMEOUT_FLAG, COLLECTIVE_TIMEOUT_S = "--xla_cpu_collective_call_terminate_timeout_seconds", 300
+if TIMEOUT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TIMEOUT_FLAG}={COLLECTIVE_TIMEOUT_S}".strip()
+
 import jax
 import pytest
 

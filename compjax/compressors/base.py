@@ -57,6 +57,7 @@ trees shaped like the parameters; leaves that pass through hold zeros there.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -313,6 +314,7 @@ def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
                 f"every worker would keep its own gradients and nothing would be sent. Build it with "
                 f"axis_name={axes[0]!r} (the axis the workers are laid out over)"
             )
+        warn_if_spread(leaves, who)
         return
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     missing = [n for n in names if n not in bound]
@@ -334,8 +336,48 @@ def check_axis(axis_name: AxisName, leaves: Sequence[Any], who: str) -> None:
                 f"program, or gradients taken with respect to replicated parameters, which JAX all-reduces itself) "
                 f"already sent them densely, and the compressor would compress a mean. Remove the user's pmean/psum "
                 f"of the gradients (compjax averages them) and take the gradients of each worker's own copy of the "
-                f"parameters (compjax.parallel's step builders do)"
+                f"parameters (compjax.parallel's step builders do). Flax's DynamicScale(axis_name=...) pmeans the "
+                f"gradients itself: build it without axis_name (DynamicScale() scales and checks each worker's own "
+                f"gradients; the compressor averages them and its non-finite vote makes every worker skip together)"
             )
+
+
+def warn_if_spread(leaves: Sequence[Any], who: str) -> None:
+    """Warn, at trace time, when a compressor without a worker axis is given gradients spread over several devices.
+
+    ``optax.chain(cj.topk(0.01), ...)`` (``axis_name=None``) inside a plain
+    ``jax.jit`` step whose arguments are sharded over a mesh of several
+    devices (``jax.device_put(x, NamedSharding(mesh, P("data")))``): XLA
+    averages the gradients densely by itself, and the compressor compresses
+    that mean; no byte crosses any wire through compjax.  The signal is the
+    abstract mesh of the traced gradients (``jax.typeof(g).sharding.mesh``):
+    more than one device over axes that are not manual (``Auto`` or
+    ``Explicit``).  A one-device program (no mesh, or a mesh of one device),
+    the body of a ``shard_map`` (manual axes) and :func:`compjax.collectives.capture`
+    (a learner encoding its message alone) do not warn.
+
+    Args:
+      leaves: the floating-point gradient leaves the compressor received (tracers or arrays).
+      who: the compressor, as users call it (e.g. ``"cj.topk"``).
+    """
+    if collectives._TAP.mode is not None:  # capture/replay: one learner's message, encoded on purpose
+        return
+    for x in leaves:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is None or not getattr(mesh, "axis_names", ()):
+            continue
+        types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+        spread = [a for a in mesh.axis_names
+                  if mesh.shape[a] > 1 and types.get(a) != jax.sharding.AxisType.Manual]
+        if spread:
+            warnings.warn(
+                f"{who} has axis_name=None, but its gradients are traced over a mesh of {mesh.size} devices "
+                f"(axes {dict(mesh.shape)}): nothing is exchanged between workers through the compressor. In a "
+                f"jit step over sharded arguments XLA averages the gradients densely by itself and {who} only "
+                f"compresses that mean, so no byte is saved. Run the step with compjax.parallel "
+                f"(data_parallel_step, worker_step) and build it with axis_name={spread[0]!r}",
+                UserWarning, stacklevel=2)
+            return
 
 
 def _who(state_cls: type) -> str:

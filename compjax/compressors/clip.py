@@ -159,26 +159,32 @@ def check_sharded_chain(tx: optax.GradientTransformation) -> None:
 
 
 def local_norm_transforms(tx: optax.GradientTransformation) -> list[str]:
-    """The norm-based optax transforms of a chain that run before its first compjax compressor.
+    """The norm-based transforms of a chain that run before its first compjax compressor.
 
     Such a transform sees each worker's *local* gradient: ``optax.chain(
     optax.clip_by_global_norm(1.0), cj.topk(...), ...)`` clips every worker's
     gradient by its own norm, not the averaged gradient (put the clipping after
-    the compressor for that).  Transforms inside a compjax algorithm (DiLoCo's
-    inner optimizer, which trains each worker alone by design) are not listed.
+    the compressor for that); so does :func:`clip_by_global_norm` (which, on
+    sharded parameters, takes the norm of a worker's whole local gradient).
+    Transforms inside a compjax algorithm (DiLoCo's inner optimizer, which
+    trains each worker alone by design) are not listed.
 
     Args:
       tx: an optax transformation, usually an ``optax.chain``.
 
     Returns:
-      The factories' names (e.g. ``["clip_by_global_norm"]``), empty when none.
+      optax's factories by name (``["clip_by_global_norm"]``), compjax's with
+      its prefix (``["cj.clip_by_global_norm"]``), empty when none.
     """
     names = []
     for fn in chains.parts(tx):
         if chains.is_exchange(fn):
             break
-        if chains.factory_name(fn) in NORM_TRANSFORMS and not fn.__module__.startswith("compjax"):
-            names.append(chains.factory_name(fn))
+        if chains.factory_name(fn) in NORM_TRANSFORMS:
+            if not fn.__module__.startswith("compjax"):
+                names.append(chains.factory_name(fn))
+            elif fn.__module__ == __name__:  # this module's clip_by_global_norm
+                names.append("cj." + chains.factory_name(fn))
     return list(dict.fromkeys(names))
 
 
@@ -198,7 +204,8 @@ def warn_local_norms(tx: optax.GradientTransformation) -> None:
     names = local_norm_transforms(tx)
     if names:
         warnings.warn(
-            f"tx applies {', '.join(f'optax.{n}' for n in names)} before its compjax compressor, so it sees each "
+            f"tx applies {', '.join(n if n.startswith('cj.') else f'optax.{n}' for n in names)} before its compjax "
+            "compressor, so it sees each "
             "worker's local gradient (clipping there clips every worker's gradient by its own norm, not the "
             "averaged gradient a one-device program clips): put it after the compressor, e.g. "
             "optax.chain(cj.topk(...), optax.clip_by_global_norm(1.0), optax.adamw(...))",

@@ -9,6 +9,8 @@ layout (:mod:`compjax.parallel.placement`) runs over.
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import jax
@@ -18,6 +20,9 @@ from jax.sharding import AxisType, Mesh
 
 def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
     """A 1-D mesh of ``num_workers`` devices (default: all) with axis ``axis_name``.
+
+    On the CPU backend it warns once when XLA:CPU's thread pool is too small
+    for the devices (:func:`check_cpu_pool`).
 
     The axis is of type ``Auto``: arrays the data-parallel steps return (worker-stacked,
     sharded over the axis) can be indexed and reduced on the host (``loss[0]``,
@@ -33,7 +38,9 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
         raise ValueError(f"num_workers must be in [1, {n_dev}] (the available devices), got {num_workers}")
     # Auto axes (not JAX's default Explicit): the worker-stacked arrays a step returns then read on the host
     # like any array (``loss[0]``, ``int(state.step[0])``, flax metrics' reset), with no out_sharding needed.
-    return jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+    check_cpu_pool(mesh)
+    return mesh
 
 
 def make_2d_mesh(slow: int, fast: int, *, slow_axis: str = "data", fast_axis: str = "fast") -> Mesh:
@@ -79,7 +86,9 @@ def make_2d_mesh(slow: int, fast: int, *, slow_axis: str = "data", fast_axis: st
         if len({d.process_index for d in row}) > 1:
             raise ValueError(f"fast = {fast} devices per row straddles processes (each process has "
                              f"{jax.local_device_count()} devices): choose a fast size that divides it")
-    return Mesh(grid, (slow_axis, fast_axis))
+    mesh = Mesh(grid, (slow_axis, fast_axis))
+    check_cpu_pool(mesh)
+    return mesh
 
 
 def worker_axes(mesh: Mesh, axis_name: str, fast_axis: str | None) -> tuple[int, Any]:
@@ -93,3 +102,65 @@ def check_axis(mesh: Mesh, axis_name: str) -> None:
     """Raise a ValueError unless ``axis_name`` is an axis of ``mesh`` (the message names the mesh's axes)."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
+
+
+#: The collective time-out flag of XLA:CPU (jaxlib 0.10.2): seconds a device waits in a rendezvous, after the
+#: "may be stuck" warning (20 s), before XLA aborts the process (default 40).
+TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+
+_pool_warned: list = []  # one warning per process
+
+
+def cpu_pool_threads(devices: int) -> int:
+    """The threads of XLA:CPU's pool for ``devices`` devices: ``max(PJRT_NPROC or the cores, devices)``.
+
+    ``PJRT_NPROC`` (an environment variable read when JAX's CPU client starts)
+    or, unset, the cores this process may run on.
+
+    Args:
+      devices: the CPU devices of the process (``jax.local_device_count()``).
+
+    Returns:
+      The pool's thread count (an int >= ``devices``).
+    """
+    try:
+        nproc = int(os.environ.get("PJRT_NPROC", "0"))
+    except ValueError:
+        nproc = 0
+    if nproc <= 0:
+        nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(nproc, devices)
+
+
+def check_cpu_pool(mesh: Mesh) -> None:
+    """Warn once (``UserWarning``) when XLA:CPU's thread pool is too small for the simulated devices of ``mesh``.
+
+    XLA:CPU (jaxlib 0.10.2) runs every device's part of a program, and every
+    launch of a program, on one pool of ``max(PJRT_NPROC or the cores,
+    devices)`` threads.  With fewer than twice as many threads as devices, a
+    queued launch can hold the thread one device of a running program needs:
+    the other devices wait in its collective's rendezvous and XLA aborts the
+    process ("Termination timeout for `all reduce RendezvousKey{...}` of 40
+    seconds exceeded ... only 6 of them arrived"), most often on a loaded
+    machine.  Nothing to check on GPU or TPU, or with one device.
+
+    Args:
+      mesh: the mesh the step will run on.
+    """
+    devices = list(np.asarray(mesh.devices).flat)
+    if _pool_warned or len(devices) < 2 or devices[0].platform != "cpu":
+        return
+    local = jax.local_device_count()
+    threads = cpu_pool_threads(local)
+    if threads >= 2 * local:
+        return
+    _pool_warned.append(True)
+    warnings.warn(
+        f"XLA:CPU runs the programs of this process's {local} devices on a pool of {threads} threads "
+        f"(max(PJRT_NPROC or the cores, devices)): with fewer than {2 * local}, a queued launch can hold the thread "
+        f"one device of a running program needs, and XLA aborts the process when that program's collective waits "
+        f"too long ('Termination timeout ... Expected {local} threads to join the rendezvous'). Set "
+        f"PJRT_NPROC={2 * local} in the environment before JAX starts (os.environ['PJRT_NPROC'] = '{2 * local}' "
+        f"before importing jax), and on a loaded machine raise XLA's time-out with "
+        f"XLA_FLAGS='{TIMEOUT_FLAG}=300'",
+        UserWarning, stacklevel=3)

@@ -18,10 +18,12 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from compjax import workers
+from compjax.compressors import clip
 from compjax.parallel.core import (
     build_step,
     check_donatable,
@@ -30,7 +32,7 @@ from compjax.parallel.core import (
     is_graph_node,
     load_nnx,
 )
-from compjax.parallel.mesh import check_axis
+from compjax.parallel.mesh import check_axis, check_cpu_pool
 from compjax.parallel.placement import is_padded_array, put, shard_batch
 
 
@@ -170,10 +172,23 @@ def worker_step(
         before the call are deleted; NNX objects get the new ones).
       independent: the workers are meant to train apart (local SGD, an
         ensemble): no warning when nothing in the step crosses the worker
-        axis.  Without it, a step in which no collective crosses ``axis_name``
-        (no compjax compressor in the optimizer, no ``lax.pmean`` of the
-        step's own) warns at its first call, naming the fix: each worker would
-        train its own model.
+        axis.  Without it, a step that updates an optimizer (an
+        ``nnx.Optimizer`` among its arguments, or a new optax state among its
+        outputs) and in which no collective crosses ``axis_name`` (no compjax
+        compressor in the optimizer, no ``lax.pmean`` of the step's own) warns
+        at its first call, naming the fix: each worker would train its own
+        model.  An evaluation step (``eval_step(model, metrics, batch)``)
+        updates no optimizer and does not warn.
+
+    **Porting checks.**  At its first call the step also warns when an
+    optimizer it runs (closed over or named as a global by ``fn``, a Linen
+    ``TrainState.tx``, an ``nnx.Optimizer``'s ``tx``) applies a norm-based
+    transform before its compressor
+    (:func:`compjax.compressors.clip.warn_local_norms`), and a collective of
+    ``fn`` over an axis this step does not bind (a pmap program's
+    ``lax.pmean(x, "batch")``, Flax's ``DynamicScale.value_and_grad(...,
+    axis_name=...)``, which averages the gradients itself) is refused with a
+    ``ValueError`` that names it and the fix.
 
     **Meshes.**  On a 1-D worker mesh (:func:`make_mesh`) every device is a
     worker.  On a mesh with other axes (``slow x fast``, :func:`make_2d_mesh`,
@@ -212,7 +227,8 @@ def worker_step(
         for the default batch), an argument laid out for another layout (on a
         1-D mesh: one for a 2-D mesh or sharded, ``fast_axis=`` / ``specs=``;
         on a 2-D mesh: one worker per device, ``fast_axis=``, or a dimension
-        sharded over ``axis_name``), a batch not divisible by ``n``, a
+        sharded over ``axis_name``), a collective of ``fn`` over an unbound
+        axis (above), a batch not divisible by ``n``, a
         closed-over NNX object that ``fn`` tries to update (pass it as an
         argument), or (with ``donate``) an array already donated.
 
@@ -236,6 +252,7 @@ def worker_step(
       ((8,), 20)
     """
     check_axis(mesh, axis_name)
+    check_cpu_pool(mesh)
     check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
     others = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
@@ -281,6 +298,8 @@ def worker_step(
         try:
             out = fn(*args)
         except Exception as e:
+            if (unbound := _unbound_axis(e, axis_name)) is not None:
+                raise unbound from e
             from flax import errors
 
             if isinstance(e, errors.TraceContextError):
@@ -290,6 +309,8 @@ def worker_step(
                     "(replicated with parallel.nnx_replicate, like the model)"
                 ) from e
             raise
+        key = _trace_key(graphdef, kinds, (gstate, stacked, batches, keys))
+        trained[key] = _updates_optimizer(objs, stacked, out)
         out = workers.average_leaves(out, names, axis_name)
         if objs:
             if saved is not None:
@@ -400,6 +421,7 @@ def worker_step(
         return objs, (graphdef, kinds, gstate, stacked, batches, keys)
 
     checked: set = set()
+    trained: dict = {}  # per traced structure: whether the step updates an optimizer (recorded while tracing)
     nstatic = 3 if others else 2
 
     def warn_if_apart(jargs: tuple) -> None:
@@ -409,7 +431,10 @@ def worker_step(
         if independent or sig in checked:
             return
         checked.add(sig)
-        if not crosses_axis(jitted.trace(*jargs).jaxpr, axis_name):
+        jaxpr = jitted.trace(*jargs).jaxpr
+        if not trained.get(_trace_key(jargs[0], jargs[1], jargs[nstatic:]), True):
+            return  # an evaluation step: no optimizer is updated, so no model is trained apart
+        if not crosses_axis(jaxpr, axis_name):
             warnings.warn(
                 f"worker_step: nothing in this step crosses the worker axis {axis_name!r} (no compressor's "
                 f"collective, no collective of the step's own), so each of the {mesh.shape[axis_name]} workers "
@@ -419,7 +444,13 @@ def worker_step(
                 "parallel.worker_step when independent workers are meant (local SGD)",
                 UserWarning, stacklevel=3)
 
+    read_tx: list = []  # whether the optimizers were read (at the first call)
+
     def step(*args):
+        if not read_tx:
+            read_tx.append(True)
+            for tx in _transforms_of(fn, args):
+                clip.warn_local_norms(tx)
         objs, jargs = prepare(args)
         warn_if_apart(jargs)
         gstate, out = jitted(*jargs)
@@ -484,3 +515,113 @@ def _keep_layout(out: Any, lay: _Layout) -> Any:
         return type(out)(m if (m := match(o)) is not None else o for o in out)
     return out
 
+
+def _trace_key(graphdef: Any, kinds: tuple, dynamic: tuple) -> tuple:
+    """What identifies one trace of the step's body: its static arguments and the structure of the rest."""
+    return graphdef, kinds, jax.tree.structure(dynamic)
+
+
+def _is_optimizer_state(x: Any) -> bool:
+    """An optax or compjax optimizer state: a NamedTuple defined in either (``ScaleByAdamState``, ``TopkState``)."""
+    return hasattr(x, "_fields") and (type(x).__module__ or "").startswith(("optax", "compjax"))
+
+
+def _updates_optimizer(objs: tuple, stacked: tuple, out: Any) -> bool:
+    """Whether a step (traced inside one worker) updates an optimizer, so that it trains a model.
+
+    True when an ``nnx.Optimizer`` is among the NNX objects, or when ``out``
+    holds an optax/compjax optimizer state that is not the argument's state
+    passed through unchanged (a Linen ``train_step`` returns the new
+    ``TrainState``; an ``eval_step`` returns metrics, or the state with new
+    metrics only).  An evaluation step (``eval_step(model, metrics, batch)``)
+    updates none.
+    """
+    if objs:
+        nnx = load_nnx()
+        if any(isinstance(node, nnx.Optimizer) for o in objs for _, node in nnx.iter_graph(o)):
+            return True
+    given = {id(x) for x in jax.tree.leaves(stacked)}
+    for s in (x for x in jax.tree.leaves(out, is_leaf=_is_optimizer_state) if _is_optimizer_state(x)):
+        leaves = jax.tree.leaves(s)
+        if not leaves or any(id(x) not in given for x in leaves):
+            return True
+    return False
+
+
+def _is_transform(x: Any) -> bool:
+    return isinstance(x, (optax.GradientTransformation, optax.GradientTransformationExtraArgs))
+
+
+def _transforms_of(fn: Callable, args: tuple) -> list:
+    """The optimizers a user's step runs: closed over or named as globals by ``fn`` (through ``jax.jit`` /
+    ``functools.wraps`` wrappers), a Linen ``TrainState.tx`` in the arguments, an ``nnx.Optimizer``'s ``tx``."""
+    found: list = []
+
+    def add(x: Any) -> None:
+        if _is_transform(x) and not any(x is y for y in found):
+            found.append(x)
+
+    f, depth = fn, 0
+    while f is not None and depth < 8:
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            for cell in f.__closure__ or ():
+                try:
+                    add(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            glob = getattr(f, "__globals__", {})
+            for name in code.co_names:
+                add(glob.get(name))
+        f, depth = getattr(f, "__wrapped__", None), depth + 1
+    for a in args:
+        if is_graph_node(a):
+            nnx = load_nnx()
+            for _, node in nnx.iter_graph(a):
+                if isinstance(node, nnx.Optimizer):
+                    add(node.tx)
+            continue
+        for x in jax.tree.leaves(a, is_leaf=lambda x: _is_transform(getattr(x, "tx", None))):
+            add(getattr(x, "tx", None))
+    return found
+
+
+def _unbound_axis(e: BaseException, axis_name: str) -> ValueError | None:
+    """The error to raise instead of JAX's bare one when a collective of the step names an axis not bound here.
+
+    A pmap program's ``lax.pmean(x, "batch")``, or Flax's
+    ``DynamicScale.value_and_grad(..., axis_name="batch")`` (which pmeans the
+    gradients itself), fails inside :func:`worker_step` with an
+    ``AssertionError`` without a message (or a ``NameError``).  Read from the
+    traceback: frames of ``jax/_src/lax/parallel.py`` (the collectives) or of
+    ``flax/training/dynamic_scale.py``.  None when ``e`` is something else.
+    """
+    if not isinstance(e, (AssertionError, NameError)) or (isinstance(e, AssertionError) and str(e)):
+        return None  # JAX's is a bare assertion: one with a message is the user's own
+    collective, scale, axes = False, False, None
+    tb = e.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if path.endswith("flax/training/dynamic_scale.py"):
+            scale = True
+            axes = frame.f_locals.get("axis_name", axes)
+        elif path.endswith("jax/_src/lax/parallel.py"):
+            collective = True
+            axes = axes if axes is not None else frame.f_locals.get("axis_name")
+    named = f" {axes!r}" if isinstance(axes, (str, tuple)) else ""
+    if scale:
+        given = f"axis_name={axes!r}" if named else "an axis_name"
+        return ValueError(
+            f"the step calls flax.training.dynamic_scale.DynamicScale.value_and_grad with {given}, which "
+            f"averages the gradients over that axis itself (lax.pmean), and the worker axis "
+            f"here is {axis_name!r}. Call it without axis_name (value_and_grad(loss_fn)): each worker scales and "
+            "checks its own gradients, the compjax compressor in the optimizer averages them over the workers, and "
+            "its non-finite vote makes every worker skip a step together")
+    if collective:
+        return ValueError(
+            f"a collective in the step names the axis{named} that is not bound here: worker_step binds the worker "
+            f"axis {axis_name!r} alone. A pmap program's lax.pmean/psum of the gradients is no longer needed "
+            "(the compjax compressor in the optimizer averages them): remove it; a metric's lax.pmean may use "
+            f"{axis_name!r}")
+    return None
