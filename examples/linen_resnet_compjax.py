@@ -8,7 +8,8 @@ step), the loop calls the wrapped step, and the metrics (one value per worker)
 are averaged on the host.  ``train_step`` itself is imported unchanged.
 
 Run: ``python -m examples.linen_resnet_compjax --steps 200`` (Fashion-MNIST; on
-CPU set ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 workers).
+CPU set ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 workers, with
+``PJRT_NPROC=16`` beside it: see the docs' CPU notes).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Variable), so :func:`evaluate` hands the unchanged one-device eval
 compressor's mean keeps equal on every worker.
 
 Run: ``python -m examples.nnx_cnn_compjax --steps 200`` (Fashion-MNIST; on CPU
-set ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 workers).
+set ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 workers, with
+``PJRT_NPROC=16`` beside it: see the docs' CPU notes).
 """
 
 from __future__ import annotations
