@@ -257,3 +257,21 @@ def test_a_contribution_refused_one_merge_late_gets_the_last_update_and_its_lear
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
     size = sum(v.size for v in s.fragment_values(0))
     assert s.reply_bytes == [2 * 2 * size]  # a's update and b's refusal: two bfloat16 messages
+
+
+def test_a_contributor_merged_one_version_late_gets_the_whole_values_and_a_fresh_one_the_update():
+    """Quorum 1, max_staleness 1: a's contribution (from version 0) merges alone into version 1; b's, also from
+    version 0, merges alone into version 2 with staleness 1.  Its anchor is two merges behind, so the update from
+    1 to 2 would not bring it there: its reply carries the whole values, bit-identical to the syncer's."""
+    params0 = init_params()
+    s = Syncer(params0, learners=["a", "b"], outer=optax.sgd(1.0), min_quorum=1, max_staleness=1,
+               reply_compressor=cj.cast(jnp.bfloat16))
+    size = s.payload_spec(0)[0].shape
+    delta = np.full(size, 0.01, np.float32)
+    (fresh,) = s.submit(Contribution(Header("a", 0, 0, 8.0, 1, (size,), ("<f4",), delta.nbytes), (delta,)))
+    (late,) = s.submit(Contribution(Header("b", 0, 0, 8.0, 1, (size,), ("<f4",), delta.nbytes), (delta,)))
+    assert s.versions() == [2] and fresh.accepted and late.accepted
+    assert fresh.update is not None and fresh.values is None
+    assert late.update is None and late.values is not None
+    for x, y in zip(late.values, s.fragment_values(0)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

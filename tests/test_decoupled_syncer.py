@@ -171,6 +171,7 @@ def bad_cases():
         "base version not an integer": (lambda s: message(s, "x", 0, "1", 1.0, 1), "malformed header", True),
         "shapes not a sequence": (lambda s: message(s, "x", 0, 1, 1.0, 1, shapes=7), "malformed header", True),
         "future version": (lambda s: message(s, "x", 0, 5, 1.0, 1), "does not exist", True),
+        "negative base version": (lambda s: message(s, "x", 0, -1, 1.0, 1), "does not exist", True),
         "stale": (lambda s: message(s, "x", 0, 0, 1.0, 1), "stale", True),
         "arrays' dtype differs from the header": (
             lambda s: Contribution(message(s, "x", 0, 1, 1.0, 1).header, f64(message(s, "x", 0, 1, 1.0, 1).values)),
@@ -228,6 +229,15 @@ def test_a_failed_receive_is_a_refusal():
 
     (reply,) = s.handle(Incoming(message(s, "x", 0, 0, 1.0, seed=1).header, pull))
     assert "peer went away" in reply.reason and snapshot(s) == old and s.versions() == [0]
+
+
+def test_a_negative_base_version_is_refused_even_when_the_staleness_bound_would_cover_it():
+    """max_staleness 3 at version 0: base version -1 would read as staleness 1; it names no version, so it is refused."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1, max_staleness=3)
+    old = snapshot(s)
+    (reply,) = s.submit(message(s, "x", 0, -1, 1.0, seed=1))
+    assert not reply.accepted and "does not exist" in reply.reason
+    assert snapshot(s) == old and s.versions() == [0] and not s.merges
 
 
 def test_a_second_contribution_to_one_round_is_refused():
