@@ -51,6 +51,23 @@ def test_bad_worker_index_and_start_raise():
         Learner("a", sgd_step, init(), (), transport, sync_every=2, worker_index=-1)
     with pytest.raises(ValueError, match="start"):
         Learner("a", sgd_step, init(), (), transport, sync_every=2, start=Start(((),), (0,)))
+    good = Syncer(init(), learners=["a"]).start()
+    with pytest.raises(ValueError, match="seqs"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=2, start=Start(good.values, good.versions, (-1,)))
+
+
+def test_a_restarted_learner_numbers_its_contributions_after_the_last_the_syncer_took():
+    """Learner a sent two contributions, then restarts from a fresh process (its counters at zero): it rejoins with
+    register's start and its next contribution is numbered 3, not 1 (which would read as a replay)."""
+    s = Syncer(init(), learners=["a"], outer=optax.sgd(1.0), min_quorum=1)
+    for seq in (1, 2):
+        s.submit(message(s, "a", 0, seq - 1, 1.0, seed=seq, seq=seq))
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=1, start=s.register("a"))
+    lrn.step(1.0)
+    incoming = transport.receive(timeout=30)
+    lrn._sender.shutdown(wait=True)
+    assert incoming.header.seq == 3 and [r.accepted for r in s.handle(incoming)] == [True]
 
 
 def test_a_late_joiner_starts_from_the_current_state_and_its_first_contribution_is_merged():

@@ -3,6 +3,7 @@ refusals that leave the model untouched, and checkpoints that restore bit-identi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -15,6 +16,7 @@ from compjax.decoupled import Contribution, Header, Incoming, Syncer
 
 SHAPES = {"a": (3, 2), "b": (4,), "c": (2, 2)}
 NAMES = ["x", "y", "z"]
+_SEQ = itertools.count(1)  # every contribution built here is a new one: its sequence number is above all before
 
 
 def init():
@@ -31,7 +33,8 @@ def message(syncer, name, p, base, tokens, seed, **changes):
     values = (np.concatenate([rng.normal(size=x.shape).astype(np.float32).ravel()
                               for x in syncer.fragment_values(p)]),)
     fields = {"learner": name, "fragment": p, "base_version": base, "tokens": tokens, "step": 1,
-                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0}
+                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0,
+              "seq": next(_SEQ)}
     fields.update(changes)
     return Contribution(Header(**fields), values)
 
@@ -240,6 +243,34 @@ def test_a_negative_base_version_is_refused_even_when_the_staleness_bound_would_
     assert snapshot(s) == old and s.versions() == [0] and not s.merges
 
 
+@pytest.mark.parametrize("merged_first", [True, False], ids=["after its merge", "in its open round"])
+def test_a_replayed_contribution_is_refused_at_max_staleness_3_and_nothing_merged(merged_first, caplog):
+    """The same contribution submitted again (same header, same sequence number) is refused as a replay, whether
+    its first copy was merged (staleness 1 <= 3 would admit it) or still waits in its round; so is an older one."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1 if merged_first else 2, max_staleness=3)
+    first = message(s, "x", 0, 0, 1.0, seed=1)
+    older = message(s, "x", 0, 0, 1.0, seed=2, seq=first.header.seq - 1)
+    s.submit(first)
+    assert s.versions() == ([1] if merged_first else [0]) and s.last_seqs()["x"] == [first.header.seq]
+    old, merges = snapshot(s), list(s.merges)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.submit(first) + s.submit(older)
+    assert [r.accepted for r in replies] == [False, False] and all("replayed" in r.reason for r in replies)
+    assert [why[:8] for _, _, why in s.refused] == ["replayed"] * 2 and caplog.text.count("replayed") == 2
+    assert snapshot(s) == old and s.merges == merges
+    # The next number is taken; the round (if open) completes with x's first copy only.
+    s.submit(message(s, "y", 0, 0, 1.0, seed=3))
+    assert s.merges[-1][2] == (("y",) if merged_first else ("x", "y"))
+
+
+def test_a_learner_that_registers_again_numbers_its_contributions_after_the_last_taken():
+    s = Syncer(init(), learners=NAMES, min_quorum=1)
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1, seq=7))
+    assert s.register("x").seqs == (7,) and s.register("w").seqs == (0,) and s.start().seqs == ()
+    (reply,) = s.submit(message(s, "x", 0, 1, 1.0, seed=2, seq=8))
+    assert reply.accepted and s.last_seqs()["x"] == [7 + 1]
+
+
 def test_a_second_contribution_to_one_round_is_refused():
     s = Syncer(init(), learners=NAMES)
     s.submit(message(s, "x", 0, 0, 1.0, seed=1))
@@ -274,7 +305,7 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
     s.save(tmp_path / "ckpt", step=4)
     fresh = Syncer(init(), learners=["x", "y", "z"], fragments=2, min_quorum=2)
     assert fresh.restore(tmp_path / "ckpt") == 4
-    assert snapshot(fresh) == snapshot(s)
+    assert snapshot(fresh) == snapshot(s) and fresh.last_seqs() == s.last_seqs()
     assert fresh.versions() == [2, 2] and fresh.last_merged() == s.last_merged()
     assert fresh.last_merged() == {"x": [2, 2], "y": [2, 2], "z": [-1, -1]}
     run(s, 4, 6)  # the outer momentum came back too: the next merges agree bit for bit

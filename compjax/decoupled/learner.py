@@ -271,6 +271,7 @@ class Learner:
             self._reply_apply = [wire.applier(reply_compressor, wire.like_of(a)) for a in self._anchor]
             self._reply_spec = [wire.payload_spec(reply_compressor, wire.like_of(a)) for a in self._anchor]
         self._version = [0] * len(self._index)
+        self._seq = [0] * len(self._index)  # per fragment, the sequence number of the last contribution sent
         if start is not None:
             self._begin_at(start)
         self._tokens = [0.0] * len(self._index)
@@ -323,6 +324,9 @@ class Learner:
     def _begin_at(self, start: Start) -> None:
         if not isinstance(start, Start) or len(start.values) != self.fragments or len(start.versions) != self.fragments:
             raise ValueError(f"start must be a Start with {self.fragments} fragments' values and versions, got {start!r}")
+        if start.seqs and (len(start.seqs) != self.fragments or not all(
+                isinstance(q, (int, np.integer)) and not isinstance(q, bool) and q >= 0 for q in start.seqs)):
+            raise ValueError(f"start: seqs must be empty or {self.fragments} integers >= 0, got {start.seqs!r}")
         leaves, treedef = jax.tree.flatten(self.params)
         for p, (values, version) in enumerate(zip(start.values, start.versions)):
             if len(values) != len(self._anchor[p]) or any(
@@ -332,6 +336,8 @@ class Learner:
                 raise ValueError(f"start: fragment {p}'s version must be an integer >= 0, got {version!r}")
             self._anchor[p] = [jnp.asarray(v, dtype=a.dtype) for v, a in zip(values, self._anchor[p])]
             self._version[p] = int(version)
+            if start.seqs:  # a rejoin: number the next contributions after the last the syncer took
+                self._seq[p] = max(self._seq[p], int(start.seqs[p]))
             for i, g in zip(self._index[p], self._anchor[p]):
                 leaves[i] = jnp.asarray(g).astype(jnp.asarray(leaves[i]).dtype)
         self.params = jax.tree.unflatten(treedef, leaves)
@@ -400,15 +406,16 @@ class Learner:
         leaves = jax.tree.leaves(self.params)
         delta = self._delta(self._anchor[p], [leaves[i] for i in self._index[p]])
         _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
+        self._seq[p] += 1
         job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
-                                  self._comm[p])
+                                  self._comm[p], self._seq[p])
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count
         self.stats.sends[p] += 1
         self._sends.append(job)
 
     def _ship(self, p: int, base_version: int, tokens: float, step: int, payload: tuple, skipped: Any,
-              comm_state: Any) -> None:
+              comm_state: Any, seq: int) -> None:
         """On the sender thread: wait for the payload arrays, count their bytes, hand them to the transport."""
         if bool(skipped):  # the guard zeroed the output; the payload encodes the residual: send zeros' message
             zeros = [jnp.zeros(a.shape, a.dtype) for a in self._anchor[p]]
@@ -416,7 +423,7 @@ class Learner:
         values = tuple(np.asarray(x) for x in payload)
         nbytes = message_bytes(comm_state)
         header = Header(self.name, p, base_version, tokens, step, tuple(v.shape for v in values),
-                        tuple(v.dtype.str for v in values), nbytes)
+                        tuple(v.dtype.str for v in values), nbytes, seq)
         self.stats.bytes_sent[p] += sum(int(v.nbytes) for v in values)  # written by this thread only
         self._transport.send(Contribution(header, values))
 

@@ -476,7 +476,8 @@ class MultiProcessTransport(Transport):
             return
         flat = [x for values in start.values for x in values]
         self._send_to(identity, {
-            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "uuid": _offer(flat, self._server),
+            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "seqs": list(start.seqs),
+            "uuid": _offer(flat, self._server),
             "address": self.transfer_address,
             "shapes": [[list(x.shape) for x in values] for values in start.values],
             "dtypes": [[x.dtype.str for x in values] for values in start.values]})
@@ -583,7 +584,7 @@ class MultiProcessTransport(Transport):
         for frag in msg["shapes"]:
             values.append(tuple(flat[:len(frag)]))
             flat = flat[len(frag):]
-        return Start(tuple(values), tuple(int(v) for v in msg["versions"]))
+        return Start(tuple(values), tuple(int(v) for v in msg["versions"]), tuple(int(v) for v in msg.get("seqs", ())))
 
     def send(self, contribution: Contribution) -> None:
         self._need("learner")

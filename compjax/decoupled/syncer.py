@@ -178,7 +178,7 @@ class Syncer:
       >>> from compjax.decoupled import Syncer, Contribution, Header
       >>> s = Syncer({"w": np.ones(2, np.float32)}, learners=["a", "b"], outer=optax.sgd(1.0))
       >>> def send(name, delta, tokens):
-      ...     h = Header(name, 0, 0, tokens, 1, ((2,),), ("<f4",), 8)
+      ...     h = Header(name, 0, 0, tokens, 1, ((2,),), ("<f4",), 8, seq=1)
       ...     return s.submit(Contribution(h, (np.full(2, delta, np.float32),)))
       >>> send("a", 0.5, 1), send("b", 0.2, 3)   # the second completes the quorum: merged
       ([], [Reply(learner='a', ...), Reply(learner='b', ...)])
@@ -249,6 +249,7 @@ class Syncer:
                     [jnp.zeros(sh, dt) for sh, dt in like]), like)
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
+        self._last_seq = {name: [0] * len(self._index) for name in names}  # the last sequence number taken
         self._rounds: list[_Round | None] = [None] * len(self._index)
         # The mean is summed one contribution at a time, so no program depends on how many contributed
         # (or on how many learners there are: a late join compiles nothing).
@@ -303,10 +304,20 @@ class Syncer:
         with self._lock:
             return tuple(np.array(x, copy=True) for x in self._global[fragment])
 
-    def start(self) -> Start:
-        """The current global values and versions of every fragment (what a joining learner starts from)."""
+    def start(self, learner: str | None = None) -> Start:
+        """The current global values and versions of every fragment (what a joining learner starts from).
+
+        With ``learner`` (a known one), its ``seqs`` are the last sequence numbers taken from it.
+        """
         with self._lock:
-            return Start(tuple(tuple(np.array(x, copy=True) for x in g) for g in self._global), tuple(self._version))
+            seqs = tuple(self._last_seq[learner]) if learner in self._last_seq else ()
+            return Start(tuple(tuple(np.array(x, copy=True) for x in g) for g in self._global), tuple(self._version),
+                         seqs)
+
+    def last_seqs(self) -> dict[str, list[int]]:
+        """Per learner, per fragment: the last sequence number taken from it (0: none yet)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._last_seq.items()}
 
     def register(self, name: str, *, now: float | None = None) -> Start:
         """Add learner ``name`` if it is new (a late join); its starting point either way.
@@ -321,7 +332,8 @@ class Syncer:
           now: the time in seconds (``time.monotonic()`` by default).
 
         Returns:
-          :class:`Start`: the current global values and versions.
+          :class:`Start`: the current global values and versions, and the last sequence numbers
+          taken from ``name`` (its next contributions number from there).
 
         Raises:
           ValueError: ``name`` is not a non-empty string.
@@ -332,9 +344,10 @@ class Syncer:
             if name not in self._last_merged:
                 self.learners = (*self.learners, name)
                 self._last_merged[name] = [-1] * self.fragments
+                self._last_seq[name] = [0] * self.fragments
                 logger.info("learner %r joined at versions %s", name, self._version)
             self.heartbeat(name, now=now)
-            return self.start()
+            return self.start(name)
 
     def heartbeat(self, name: str, *, now: float | None = None) -> None:
         """Note a message from learner ``name`` (unknown names are ignored); a lost learner counts again."""
@@ -388,8 +401,10 @@ class Syncer:
         Checked in this order: the learner is known; the fragment is an integer in range; the
         declared arrays are as many as the compressor's message for the fragment holds
         (:meth:`payload_spec`) and their size no larger than that message's (before anything is
-        allocated); each declared shape and dtype is the message's; the tokens are positive and finite; the base version exists; the staleness
-        is at most ``max_staleness``; the learner has not contributed to the open round already.
+        allocated); each declared shape and dtype is the message's; the tokens are positive and finite;
+        the base version exists; the sequence number is above the last one taken from this learner for
+        this fragment (else a replay, refused at any ``max_staleness``); the staleness is at most
+        ``max_staleness``; the learner has not contributed to the open round already.
         """
         with self._lock:
             try:
@@ -422,11 +437,15 @@ class Syncer:
                 and header.tokens > 0):
             return f"tokens must be positive and finite, got {header.tokens!r}"
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                   for v in (header.base_version, header.step, header.payload_bytes)):
-            return "malformed header: base_version, step and payload_bytes must be integers"
+                   for v in (header.base_version, header.step, header.payload_bytes, header.seq)):
+            return "malformed header: base_version, step, payload_bytes and seq must be integers"
         tau = self._version[p] - header.base_version
         if header.base_version < 0 or tau < 0:
             return f"base version {header.base_version} of fragment {p} does not exist (now {self._version[p]})"
+        last = self._last_seq[header.learner][p]
+        if header.seq <= last:
+            return (f"replayed: sequence number {header.seq} is not above {last}, the last taken from learner "
+                    f"{header.learner!r} for fragment {p}")
         if tau > self.max_staleness:
             return f"stale: staleness {tau} > max_staleness {self.max_staleness}"
         r = self._rounds[p]
@@ -474,6 +493,7 @@ class Syncer:
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
             self._rounds[p].entries[h.learner] = (weight, values, tau)
+            self._last_seq[h.learner][p] = int(h.seq)  # taken: the same number again is a replay
             if len(self._rounds[p].entries) >= self._quorum():
                 return self._merge_round(p, "quorum")
             return []
@@ -670,13 +690,15 @@ class Syncer:
 
         with self._lock, Checkpointer(directory) as ckpt:
             ckpt.save(int(step), self.state(), extra={"learners": list(self.learners),
-                                                      "last_merged": self.last_merged()})
+                                                      "last_merged": self.last_merged(),
+                                                      "last_seq": self.last_seqs()})
 
     def restore(self, directory: str | Path, *, step: int | None = None) -> int:
         """Load a checkpoint of :meth:`save` into this syncer (built with the same arguments); its step.
 
-        The global parameters, outer state, versions and last-merged counters come back
-        bit-identical; open rounds are dropped, and every learner counts as just seen (none lost).
+        The global parameters, outer state, versions, last-merged counters and last sequence
+        numbers taken come back bit-identical (contributions taken after the checkpoint may be sent
+        again: they were lost with the syncer); open rounds are dropped, and every learner counts as just seen (none lost).
         The checkpoint's learners may be more than this syncer's (learners that joined late):
         they are registered, in the checkpoint's order.
 
@@ -702,6 +724,8 @@ class Syncer:
             self._version = [int(v) for v in np.asarray(state["version"])]
             self.learners = tuple(saved)
             self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
+            seqs = extra.get("last_seq", {})
+            self._last_seq = {k: [int(v) for v in seqs.get(k, [0] * self.fragments)] for k in saved}
             self._rounds = [None] * self.fragments
             self._last_update = [None] * self.fragments  # not checkpointed: stale learners get whole values
             now = time.monotonic()
