@@ -182,3 +182,16 @@ def test_warm_up_changes_nothing_and_start_from_needs_no_send_in_flight():
     with pytest.raises(ValueError, match="in flight"):
         lrn.start_from(s.start())
     lrn._sender.shutdown(wait=True)
+
+
+def test_a_learner_clips_its_tokens_to_the_cap_it_declared():
+    """sync_every 3 at 8 tokens a step is 24 tokens a contribution; declared 16, it reports 16 (never above)."""
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=3, max_tokens=16.0)
+    for _ in range(3):
+        lrn.step(1.0, tokens=8.0)
+    incoming = transport.receive(timeout=30)
+    lrn._sender.shutdown(wait=True)
+    assert incoming.header.tokens == 16.0
+    with pytest.raises(ValueError, match="max_tokens"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=3, max_tokens=0.0)

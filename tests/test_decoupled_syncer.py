@@ -313,3 +313,81 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
     assert snapshot(fresh) == snapshot(s)
     with pytest.raises(ValueError, match="learners"):
         Syncer(init(), learners=["x", "y", "w"], fragments=2).restore(tmp_path / "ckpt")
+
+
+# --- bounded influence -------------------------------------------------------------------------------------
+
+
+def scaled(s, name, base, value, tokens=1.0, p=0):
+    """A contribution to fragment ``p`` whose outer gradient is ``value`` everywhere."""
+    m = message(s, name, p, base, tokens, seed=0)
+    return Contribution(m.header, tuple(np.full(v.shape, value, v.dtype) for v in m.values))
+
+
+def bounded_syncer(**kwargs):
+    """Quorum 1, DiLoCo's outer optimizer, x declared 64 tokens per contribution; two merges of ordinary
+    contributions (norms about 3: the fragment's reference) and a non-zero outer momentum."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1, max_staleness=3, **kwargs)
+    s.register("x", max_tokens=64.0)
+    for v in range(2):
+        assert s.submit(message(s, "y", 0, v, 8.0, seed=v))[0].accepted
+    return s
+
+
+@pytest.mark.parametrize("case, word", [
+    (lambda s: scaled(s, "x", 2, 1e30), "norm"),
+    (lambda s: scaled(s, "x", 2, 3e38, tokens=1e30), "above the 64.0 per contribution"),
+    (lambda s: message(s, "x", 0, 2, 64.5, seed=5), "above the 64.0 per contribution"),
+    (lambda s: message(s, "z", 0, 2, 1e6 + 1, seed=5), "above the 1000000.0 per contribution"),
+], ids=["outer gradient 1e30", "3e38 with tokens 1e30", "tokens above the declared cap",
+        "tokens above the syncer's max_tokens"])
+def test_a_contribution_that_would_dominate_the_merge_is_refused_and_the_model_is_bit_identical(case, word, caplog):
+    s = bounded_syncer(max_tokens=1e6)
+    old, merges = snapshot(s), list(s.merges)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        (reply,) = s.submit(case(s))
+    assert not reply.accepted and word in reply.reason and word in caplog.text
+    assert snapshot(s) == old and s.merges == merges
+    # At the cap, and at 9 times the reference norm, a contribution is merged.
+    ref = np.linalg.norm(np.concatenate([np.ravel(v) for v in message(s, "y", 0, 0, 1.0, seed=0).values]))
+    assert s.submit(message(s, "x", 0, 2, 64.0, seed=6))[0].accepted
+    m = message(s, "z", 0, 3, 1.0, seed=7)
+    nine = Contribution(m.header, tuple(v * (9 * ref / np.linalg.norm(v)) for v in m.values))
+    assert s.submit(nine)[0].accepted and s.versions() == [4]
+
+
+@pytest.mark.parametrize("outer, value", [(None, 3e38), (optax.adam(0.1), 1e20)],
+                         ids=["values: Nesterov overflows", "state only: Adam's second moment overflows"])
+def test_a_merge_whose_result_would_not_be_finite_is_refused_and_the_model_kept(outer, value, caplog):
+    """No norm reference yet (the fragment's first merge): a finite outer gradient accepted into its round, whose
+    merge is not finite: 3e38 overflows DiLoCo's Nesterov step (the values); 1e20 squared overflows Adam's second
+    moment while its step, m / sqrt(inf), leaves the values finite (the state).  The round is refused; the model,
+    outer state and version kept."""
+    s = Syncer(init(), learners=NAMES, min_quorum=2, outer=outer)
+    s.submit(scaled(s, "x", 0, value))
+    old = snapshot(s)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.submit(scaled(s, "y", 0, value))
+    assert [(r.learner, r.accepted) for r in replies] == [("x", False), ("y", False)]
+    assert all("would not be finite" in r.reason for r in replies) and "would not be finite" in caplog.text
+    for r in replies:  # each contributor resumes from the current values
+        for a, b in zip(r.values, s.fragment_values(0)):
+            np.testing.assert_array_equal(a, b)
+    assert snapshot(s) == old and s.versions() == [0] and not s.merges and len(s.refused) == 2
+    assert s.submit(message(s, "x", 0, 0, 1.0, seed=1)) == []  # the fragment goes on: a new round opens
+    assert [r.accepted for r in s.submit(message(s, "y", 0, 0, 1.0, seed=2))] == [True, True]
+
+
+def test_token_caps_and_norm_bounds_are_checked():
+    s = Syncer(init(), learners=NAMES, max_tokens=100.0)
+    for bad in (0.0, -1.0, 101.0, float("nan"), "8"):
+        with pytest.raises(ValueError, match="max_tokens"):
+            s.register("w", max_tokens=bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Syncer(init(), learners=NAMES).register("w", max_tokens=float("inf"))
+    for kwargs in ({"max_tokens": 0.0}, {"norm_bound": 0.5}, {"norm_window": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            Syncer(init(), learners=NAMES, **kwargs)
+    off = Syncer(init(), learners=NAMES, min_quorum=1, norm_bound=None)
+    off.submit(message(off, "x", 0, 0, 1.0, seed=1))
+    assert off.submit(scaled(off, "x", 1, 1e30))[0].accepted  # the norm bound turned off: merged

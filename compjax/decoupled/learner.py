@@ -167,6 +167,10 @@ class Learner:
         and versions), or None to begin from ``params`` at version 0.
       reply_compressor: the syncer's ``reply_compressor`` (the same compressor), or None when the
         syncer sends whole values (a reply with an update is then dropped with a warning).
+      max_tokens: the token cap this learner declared to the syncer (:meth:`Syncer.register
+        <compjax.decoupled.Syncer.register>`'s ``max_tokens``), > 0, or None: a contribution's
+        tokens are clipped to it (a contribution that covers more steps, e.g. a deferred one,
+        weighs as much as the cap, never more: the syncer would refuse it).
 
     Attributes:
       params: the current parameters (the pytree ``train_step`` moves).
@@ -222,6 +226,7 @@ class Learner:
         worker_index: int | None = None,
         start: Start | None = None,
         reply_compressor: optax.GradientTransformation | None = None,
+        max_tokens: float | None = None,
     ):
         check_range("sync_every", sync_every, 1, None, integer=True, static=True)
         check_range("fragments", fragments, 1, None, integer=True, static=True)
@@ -230,6 +235,8 @@ class Learner:
             raise ValueError(f"late_reply must be 'wait' or 'defer', got {late_reply!r}")
         if reply_timeout_s is not None:
             check_range("reply_timeout_s", reply_timeout_s, 0.0, None, lo_open=True)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
         index = default_worker_index(name) if worker_index is None else worker_index
         check_range("worker_index", index, 0, 2**31 - 1, integer=True, static=True)
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -267,6 +274,7 @@ class Learner:
                 wire.check_capturable(self._tx, comm, wire.like_of(a))
                 checked.add(wire.like_of(a))
         self._reply_tx = reply_compressor
+        self.max_tokens = None if max_tokens is None else float(max_tokens)
         if reply_compressor is not None:
             self._reply_apply = [wire.applier(reply_compressor, wire.like_of(a)) for a in self._anchor]
             self._reply_spec = [wire.payload_spec(reply_compressor, wire.like_of(a)) for a in self._anchor]
@@ -407,7 +415,8 @@ class Learner:
         delta = self._delta(self._anchor[p], [leaves[i] for i in self._index[p]])
         _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
         self._seq[p] += 1
-        job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
+        tokens = self._tokens[p] if self.max_tokens is None else min(self._tokens[p], self.max_tokens)
+        job = self._sender.submit(self._ship, p, self._version[p], tokens, self.count, payload, skipped,
                                   self._comm[p], self._seq[p])
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count

@@ -281,7 +281,7 @@ class MultiProcessTransport(Transport):
     """
 
     def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float,
-                 advertise: str | None = None):
+                 advertise: str | None = None, max_tokens: float | None = None):
         zmq = _zmq()
         host, port = parse_endpoint(address, bind=role == "syncer")
         advertise = _check_advertise(advertise)
@@ -296,6 +296,7 @@ class MultiProcessTransport(Transport):
         self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
         self.transfer_address = self._server.address()
         self.role, self.name = role, name
+        self._max_tokens = None if max_tokens is None else float(max_tokens)  # a learner's declared token cap
         self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
         self._ctx = zmq.Context()
         self._zmq = zmq
@@ -349,7 +350,8 @@ class MultiProcessTransport(Transport):
 
     @classmethod
     def for_learner(cls, name: str, address: str, *, heartbeat_s: float = 1.0,
-                    pull_timeout_s: float = 60.0, advertise: str | None = None) -> MultiProcessTransport:
+                    pull_timeout_s: float = 60.0, advertise: str | None = None,
+                    max_tokens: float | None = None) -> MultiProcessTransport:
         """Learner ``name``'s side, connected to the syncer at ``address``; call :meth:`join` next.
 
         Args:
@@ -362,15 +364,20 @@ class MultiProcessTransport(Transport):
           advertise: the IPv4 address the syncer reaches this machine at, where the learner's
             transfer server binds (None: the local address of this machine's route towards HOST,
             127.0.0.1 for a syncer on this machine).
+          max_tokens: the token cap declared in every ``hello`` (the syncer's :meth:`Syncer.register
+            <compjax.decoupled.Syncer.register>`), > 0, or None; build the :class:`Learner` with the
+            same ``max_tokens``.  A declaration the syncer refuses gets no welcome (logged there).
 
         Raises:
-          ValueError: an empty ``name``, a malformed ``address``, or an ``advertise`` this machine
-            cannot bind.
+          ValueError: an empty ``name``, a malformed ``address``, an ``advertise`` this machine
+            cannot bind, or ``max_tokens`` <= 0.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s,
-                   advertise=advertise)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
+        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s,
+                   pull_timeout_s=pull_timeout_s, advertise=advertise, max_tokens=max_tokens)
 
     def _need(self, role: str) -> None:
         if self.role != role:
@@ -430,7 +437,7 @@ class MultiProcessTransport(Transport):
                 self._syncer.heartbeat(name)
             self._send_to(identity, {"type": "heartbeat", "syncer": self.id})
         elif kind == "hello":
-            self._welcome(identity, name)
+            self._welcome(identity, name, msg.get("max_tokens"))
         elif kind == "header":
             try:
                 header, uuid, address = _header_from(msg["header"]), int(msg["uuid"]), str(msg["address"])
@@ -464,13 +471,13 @@ class MultiProcessTransport(Transport):
             logger.warning("transport: dropped a frame of unknown type %r from %r", kind, name)
         return None
 
-    def _welcome(self, identity: bytes, name: str) -> None:
+    def _welcome(self, identity: bytes, name: str, max_tokens=None) -> None:
         if self._syncer is None:
             logger.warning("transport: hello from %r before a syncer was attached: ignored", name)
             return
         self._unreachable.discard(name)  # a learner that says hello is alive: its transfers are pulled again
         try:
-            start = self._syncer.register(name)
+            start = self._syncer.register(name, max_tokens=max_tokens)
         except ValueError as e:
             logger.warning("transport: hello from %r refused: %s", name, e)
             return
@@ -527,6 +534,9 @@ class MultiProcessTransport(Transport):
         finally:
             sock.close(linger=0)
 
+    def _hello(self) -> dict:
+        return {"type": "hello"} if self._max_tokens is None else {"type": "hello", "max_tokens": self._max_tokens}
+
     def _say(self, msg: dict) -> None:
         self._out.put(json.dumps(msg).encode())
 
@@ -542,7 +552,7 @@ class MultiProcessTransport(Transport):
             if self._joined and msg.get("syncer") != self._syncer_id and time.monotonic() - self._hello_at > 5.0:
                 logger.warning("learner %r: the syncer restarted (id %s): rejoining", self.name, msg.get("syncer"))
                 self._hello_at = time.monotonic()
-                self._say({"type": "hello"})
+                self._say(self._hello())
         elif kind == "welcome":
             self._syncer_id = msg.get("syncer")
             (self._inbox if self._joined else self._welcomes).put(msg)
@@ -566,7 +576,7 @@ class MultiProcessTransport(Transport):
         """
         self._need("learner")
         self._hello_at = time.monotonic()
-        self._say({"type": "hello"})
+        self._say(self._hello())
         try:
             msg = self._welcomes.get(timeout=timeout)
         except queue.Empty:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
@@ -31,7 +32,7 @@ class _Round:
     """The contributions of one fragment waiting for their merge."""
 
     opened: float
-    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
+    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness, norm)
 
 
 def _accumulate(acc, decoded, w):
@@ -41,6 +42,21 @@ def _accumulate(acc, decoded, w):
 
 _ACCUMULATE = jax.jit(_accumulate)  # shared by every syncer of the process: one compile per shape
 _SUB = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
+
+
+def _norm(values) -> float:
+    """The L2 norm of a fragment's decoded outer gradient, summed in float64 on the host (no overflow)."""
+    return math.sqrt(math.fsum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in values))
+
+
+def _all_finite(tree) -> bool:
+    """Whether every floating-point entry of ``tree``'s leaves is finite (NumPy on the host: nothing compiles)."""
+    for x in jax.tree.leaves(tree):
+        x = np.asarray(x)
+        if x.dtype.kind in "fc" or jnp.issubdtype(x.dtype, jnp.floating):
+            if not np.all(np.isfinite(x.astype(np.float64))):
+                return False
+    return True
 
 
 def _outer_step(outer_tx, anchor, outer_state, mean):
@@ -107,12 +123,32 @@ class Syncer:
     Streaming DiLoCo, Douillard et al. 2025, with fragments): the mean over
     workers, then the outer optimizer.
 
+    **Bounded influence.**  No single contribution can set or overflow a merge:
+
+    * *tokens*: each learner has a cap on the tokens of one contribution, the one it
+      declared when it registered (:meth:`register`'s ``max_tokens``: its inner steps
+      between two contributions of a fragment times its batch tokens), else
+      ``max_tokens``; a declaration above ``max_tokens`` is refused, and so is a
+      contribution whose tokens exceed its learner's cap.
+    * *norm*: a contribution whose decoded outer gradient has an L2 norm (float64)
+      above ``norm_bound`` times the median of the fragment's last ``norm_window``
+      merged non-zero norms is refused (the median: a robust reference that a few
+      large contributions cannot raise; before the fragment's first merge there is no
+      reference and only the finite checks apply).
+    * *the merge*: the merged global values and the new outer optimizer state are
+      checked finite before they replace the fragment's; if any entry is not, the
+      round is refused: a ``WARNING``, each contributor's refusal (carrying the
+      current values) in :attr:`refused`, and the model, outer state and version as
+      they were.
+
     **Refusals.**  A contribution from an unknown learner, for a fragment out of
     range, whose payload arrays do not have the shapes and dtypes of the
     compressor's message for the fragment (or whose declared size is larger),
-    with tokens not positive and finite, from a version the fragment never had,
-    staler than ``max_staleness``, a second one from the same learner in one
-    round, or whose decoded value holds a non-finite entry, is refused: a
+    with tokens not positive and finite or above its learner's cap, from a version
+    the fragment never had, at or below its learner's last sequence number for
+    the fragment (a replay), staler than ``max_staleness``, a second one from the
+    same learner in one round, whose decoded value holds a non-finite entry, or
+    whose norm exceeds the norm bound, is refused: a
     ``WARNING`` on the
     ``compjax.decoupled`` logger names the learner, the fragment and the reason,
     :attr:`refused` records it, and neither the global model nor the outer state
@@ -150,6 +186,13 @@ class Syncer:
       reply_compressor: a compjax compressor (``axis_name=None``) for the merged updates sent
         back, or None (default) for whole float32 values; the learners must be built with the same
         one (:class:`~compjax.decoupled.Learner`'s ``reply_compressor``).
+      max_tokens: the largest tokens of one contribution, > 0: the cap of the learners listed in
+        ``learners`` and the bound on what a registering learner may declare; None (default): no
+        bound beyond the learners' own declarations.
+      norm_bound: the multiple ``c >= 1`` of the median of recent merged norms above which a
+        contribution is refused (default 10); None turns the norm bound off.
+      norm_window: how many of a fragment's last merged contribution norms the median is taken
+        over, an integer >= 1 (default 16).
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -200,6 +243,9 @@ class Syncer:
         staleness_decay: float = 0.0,
         heartbeat_timeout_s: float | None = None,
         reply_compressor: optax.GradientTransformation | None = None,
+        max_tokens: float | None = None,
+        norm_bound: float | None = 10.0,
+        norm_window: int = 16,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -213,6 +259,11 @@ class Syncer:
         check_range("staleness_decay", staleness_decay, 0.0, None)
         if heartbeat_timeout_s is not None:
             check_range("heartbeat_timeout_s", heartbeat_timeout_s, 0.0, None, lo_open=True)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
+        if norm_bound is not None:
+            check_range("norm_bound", norm_bound, 1.0, None)
+        check_range("norm_window", norm_window, 1, None, integer=True, static=True)
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -250,6 +301,10 @@ class Syncer:
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
         self._last_seq = {name: [0] * len(self._index) for name in names}  # the last sequence number taken
+        self.max_tokens = None if max_tokens is None else float(max_tokens)
+        self._token_cap: dict[str, float | None] = dict.fromkeys(names, self.max_tokens)
+        self.norm_bound = None if norm_bound is None else float(norm_bound)
+        self._norms: list[collections.deque] = [collections.deque(maxlen=int(norm_window)) for _ in self._index]
         self._rounds: list[_Round | None] = [None] * len(self._index)
         # The mean is summed one contribution at a time, so no program depends on how many contributed
         # (or on how many learners there are: a late join compiles nothing).
@@ -319,16 +374,19 @@ class Syncer:
         with self._lock:
             return {k: list(v) for k, v in self._last_seq.items()}
 
-    def register(self, name: str, *, now: float | None = None) -> Start:
+    def register(self, name: str, *, max_tokens: float | None = None, now: float | None = None) -> Start:
         """Add learner ``name`` if it is new (a late join); its starting point either way.
 
         A new learner may contribute from then on (its first contribution is taken from the
         versions returned here, staleness 0); ``min_quorum`` stays as it was.  Registering a
         known name changes nothing (a learner reconnecting, e.g. after a syncer restart) except
-        that it counts as a message (:meth:`heartbeat`).
+        its token cap, when it declares one, and that it counts as a message (:meth:`heartbeat`).
 
         Args:
           name: the learner's name, a non-empty string.
+          max_tokens: the most tokens one of its contributions will carry (its inner steps between
+            two contributions of a fragment times its batch tokens), > 0 and at most the syncer's
+            ``max_tokens``; None: the syncer's ``max_tokens`` (or the cap it declared before).
           now: the time in seconds (``time.monotonic()`` by default).
 
         Returns:
@@ -336,11 +394,20 @@ class Syncer:
           taken from ``name`` (its next contributions number from there).
 
         Raises:
-          ValueError: ``name`` is not a non-empty string.
+          ValueError: ``name`` is not a non-empty string, or ``max_tokens`` is not a positive
+            finite number at most the syncer's ``max_tokens``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, self.max_tokens, lo_open=True)
+            if not math.isfinite(max_tokens):
+                raise ValueError(f"max_tokens must be finite, got {max_tokens!r}")
         with self._lock:
+            if max_tokens is not None:
+                self._token_cap[name] = float(max_tokens)
+            elif name not in self._token_cap:
+                self._token_cap[name] = self.max_tokens
             if name not in self._last_merged:
                 self.learners = (*self.learners, name)
                 self._last_merged[name] = [-1] * self.fragments
@@ -436,6 +503,9 @@ class Syncer:
         if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
                 and header.tokens > 0):
             return f"tokens must be positive and finite, got {header.tokens!r}"
+        cap = self._token_cap.get(header.learner)
+        if cap is not None and header.tokens > cap:
+            return f"tokens {header.tokens!r} above the {cap!r} per contribution learner {header.learner!r} declared"
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
                    for v in (header.base_version, header.step, header.payload_bytes, header.seq)):
             return "malformed header: base_version, step, payload_bytes and seq must be integers"
@@ -485,6 +555,9 @@ class Syncer:
                 if not why:  # the outer gradient the payload encodes; never a non-finite one in the model
                     values = tuple(wire.decoder(self._tx, self._like[h.fragment])(values))
                     why = self._check_finite(values)
+                if not why:
+                    norm = _norm(values)
+                    why = self._check_norm(h.fragment, norm)
             if why:
                 return self._refuse(h, why)
             p = h.fragment
@@ -492,7 +565,7 @@ class Syncer:
             weight = float(h.tokens) * math.exp(-self.staleness_decay * tau)
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
-            self._rounds[p].entries[h.learner] = (weight, values, tau)
+            self._rounds[p].entries[h.learner] = (weight, values, tau, norm)
             self._last_seq[h.learner][p] = int(h.seq)  # taken: the same number again is a replay
             if len(self._rounds[p].entries) >= self._quorum():
                 return self._merge_round(p, "quorum")
@@ -552,6 +625,17 @@ class Syncer:
                         f"{tuple(x.shape)} {np.dtype(x.dtype)}")
         return ""
 
+    def _check_norm(self, p: int, norm: float) -> str:
+        """Why a decoded outer gradient of L2 norm ``norm`` is too large for fragment ``p`` ('' if it is not)."""
+        recent = [x for x in self._norms[p] if x > 0.0]
+        if self.norm_bound is None or not recent:
+            return ""
+        limit = self.norm_bound * float(np.median(recent))
+        if norm > limit:
+            return (f"norm {norm:.4g} of the outer gradient above {self.norm_bound:g} x {limit / self.norm_bound:.4g}, "
+                    f"the median of fragment {p}'s last {len(recent)} merged norms")
+        return ""
+
     @staticmethod
     def _check_finite(decoded: tuple) -> str:
         for j, v in enumerate(decoded):
@@ -582,6 +666,9 @@ class Syncer:
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
         new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
+        if not (_all_finite(new) and _all_finite(outer_state)):
+            return self._refuse_round(p, names)
+        self._norms[p].extend(r.entries[k][3] for k in order)
         update = None
         if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
             update, new = self._encode_update(p, list(new))
@@ -602,6 +689,16 @@ class Syncer:
             else:
                 replies.append(Reply(k, p, self._version[p], values))
         return replies
+
+    def _refuse_round(self, p: int, names: list) -> list[Reply]:
+        """A merge whose result is not finite: nothing changes; each contributor refused with the current values."""
+        why = (f"merge refused: the merged values or the outer optimizer state of fragment {p} would not be finite; "
+               f"the global model stays at version {self._version[p]}")
+        logger.warning("fragment %d: %s (contributors: %s)", p, why, ", ".join(names))
+        values = tuple(np.array(x, copy=True) for x in self._global[p])
+        for k in names:
+            self.refused.append((k, p, why))
+        return [Reply(k, p, self._version[p], values, accepted=False, reason=why) for k in names]
 
     def _merge(self, p: int, decoded: list, weights: list) -> tuple[list, Any]:
         """The token-weighted mean of ``decoded`` (in this order), then the outer step: new values and state."""
