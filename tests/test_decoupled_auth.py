@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from compjax.decoupled import MultiProcessTransport, Syncer
+from compjax.decoupled import MultiProcessTransport, Syncer, multiprocess
 from tests.test_decoupled_syncer import init, message, snapshot
 from tests.test_decoupled_transport_faults import join
 
@@ -152,10 +152,10 @@ def test_over_curve_a_forged_name_and_a_take_over_are_refused_and_nothing_merged
         assert drain(server, syncer, lambda: b.released) == [] and b.released == 1
         assert "claims to be learner 'a'" in caplog.text
         # A second connection with a's key while a's connection is alive: no welcome, a keeps its place.
-        assert secure_join(server, keys, "a", timeout=1.0) is None
+        assert secure_join(server, keys, "a", timeout=0.5) is None
         assert "refused a second connection of learner 'a'" in caplog.text
         # b's key under the name a: b's key names it b, whatever it calls itself; as b it is already connected.
-        assert secure_join(server, keys, "a", key="b", timeout=1.0) is None
+        assert secure_join(server, keys, "a", key="b", timeout=0.5) is None
         assert snapshot(syncer) == old and not syncer.merges and syncer.learners == ("a", "b")
         a.send(message(syncer, "a", 0, 0, 1.0, seed=2))  # a's own contribution, on its connection, is merged
         assert [h.learner for h in drain(server, syncer, lambda: syncer.merges)] == ["a"]
@@ -178,3 +178,21 @@ def test_keys_are_checked_when_the_transport_is_built(keys, tmp_path):
         MultiProcessTransport.for_learner("a", "tcp://127.0.0.1:5555", key_file=keys["secret"]("a"))
     with pytest.raises(ValueError, match="insecure=True"):
         MultiProcessTransport.for_syncer("tcp://0.0.0.0:0")
+
+
+def test_the_syncer_pulls_only_from_the_address_a_learner_advertised_in_its_hello(caplog):
+    """A header whose arrays it says sit at another address (any host the syncer can reach) is dropped: it never
+    reaches the syncer, so nothing is pulled."""
+    syncer = Syncer(init(), learners=["a"], min_quorum=1)
+    server = MultiProcessTransport.for_syncer()
+    server.attach(syncer)
+    a = join(server, "a")
+    try:
+        advertised = a.transfer_address
+        h = message(syncer, "a", 0, 0, 1.0, seed=1).header  # its frame, as send writes it, with another address
+        a._say({"type": "header", "header": multiprocess._header_dict(h), "uuid": 7, "address": "127.0.0.1:9"})
+        assert drain(server, syncer, lambda: "pulls only from the address" in caplog.text) == []
+        assert advertised in caplog.text and not syncer.refused and not syncer.merges and syncer.versions() == [0]
+    finally:
+        a.close()
+        server.close()

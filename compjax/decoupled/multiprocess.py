@@ -410,6 +410,7 @@ class MultiProcessTransport(Transport):
             self._syncer = None
             self._record: _Record | None = None
             self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
+            self._addresses: dict[str, str] = {}  # learner -> the transfer address of its last hello
         else:
             self.address = address
             self._out: queue.Queue = queue.Queue()
@@ -583,7 +584,7 @@ class MultiProcessTransport(Transport):
                                    name, time.monotonic() - heard, self._takeover_after)
                     return None
                 self._routes[name], self._heard[name] = identity, time.monotonic()
-            self._welcome(identity, name, msg.get("max_tokens"))
+            self._welcome(identity, name, msg.get("max_tokens"), msg.get("address"))
         elif kind == "header" and not registered:
             logger.warning("transport: dropped a header from learner %r on a connection it did not say hello on",
                            name)
@@ -599,6 +600,12 @@ class MultiProcessTransport(Transport):
                 return None
             if header.learner != name:
                 logger.warning("transport: dropped a header from %r that claims to be learner %r", name, header.learner)
+                self._send_to(identity, {"type": "release", "uuid": uuid})
+                return None
+            if address != self._addresses.get(name):
+                logger.warning("transport: dropped a header from learner %r whose arrays are at %r: the syncer pulls "
+                               "only from the address it advertised in its hello (%r)", name, address,
+                               self._addresses.get(name))
                 self._send_to(identity, {"type": "release", "uuid": uuid})
                 return None
             record = self._record = _Record(identity, uuid)
@@ -622,9 +629,14 @@ class MultiProcessTransport(Transport):
             logger.warning("transport: dropped a frame of unknown type %r from %r", kind, name)
         return None
 
-    def _welcome(self, identity: bytes, name: str, max_tokens=None) -> None:
+    def _welcome(self, identity: bytes, name: str, max_tokens=None, address=None) -> None:
         if self._syncer is None:
             logger.warning("transport: hello from %r before a syncer was attached: ignored", name)
+            return
+        host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not (_is_ipv4(host) and port.isdigit() and 0 < int(port) < 65536):
+            logger.warning("transport: hello from %r refused: its transfer address %r is not IPv4 HOST:PORT",
+                           name, address)
             return
         self._unreachable.discard(name)  # a learner that says hello is alive: its transfers are pulled again
         try:
@@ -632,6 +644,7 @@ class MultiProcessTransport(Transport):
         except ValueError as e:
             logger.warning("transport: hello from %r refused: %s", name, e)
             return
+        self._addresses[name] = address
         flat = [x for values in start.values for x in values]
         self._send_to(identity, {
             "type": "welcome", "syncer": self.id, "versions": list(start.versions), "seqs": list(start.seqs),
@@ -694,7 +707,10 @@ class MultiProcessTransport(Transport):
             sock.close(linger=0)
 
     def _hello(self) -> dict:
-        return {"type": "hello"} if self._max_tokens is None else {"type": "hello", "max_tokens": self._max_tokens}
+        msg = {"type": "hello", "address": self.transfer_address}  # the only address the syncer will pull from
+        if self._max_tokens is not None:
+            msg["max_tokens"] = self._max_tokens
+        return msg
 
     def _say(self, msg: dict) -> None:
         self._out.put(json.dumps(msg).encode())
