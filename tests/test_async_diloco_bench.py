@@ -107,15 +107,19 @@ def test_quick_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_launcher(tmp_path):
-    """The launcher starts a syncer and two learners, prints each role's command, and writes its results."""
+    """The launcher starts a syncer and two learners over CURVE (the keys role's certificates), prints each role's
+    command, and writes its results."""
     out = tmp_path / "run"
+    assert launcher.main(["keys", "--keys", str(tmp_path / "certs"), "--learners", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "certs" / "allowed").iterdir()) == ["learner0.key", "learner1.key"]
     r = subprocess.run([sys.executable, "-m", "experiments.async_diloco", "--learners", "2", "--steps", "20",
                         "--sync-every", "10", "--fragments", "1", "--compressor", "identity", "--text", str(EXCERPT),
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, check=False,
-                       cwd=launcher.REPO, env=launcher.child_env())
+                        "--out", str(out), "--keys", str(tmp_path / "certs")], capture_output=True, text=True,
+                       timeout=600, check=False, cwd=launcher.REPO, env=launcher.child_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     commands = [line.strip() for line in r.stdout.splitlines() if line.startswith("  python -m experiments.async_diloco")]
     assert len(commands) == 3 and " syncer " in commands[0] and "--index 1" in commands[2]
+    assert all("--keys" in c for c in commands)
     address = commands[0].split("--address ")[1].split()[0]
     assert all(f"--address {address}" in c for c in commands)
     syncer = json.loads((out / "syncer.json").read_text())
@@ -125,6 +129,10 @@ def test_launcher(tmp_path):
         assert stats["steps"] == 20 and stats["sends"] == [2]
         assert stats["bytes_sent"] == [2 * 4 * syncer["num_params"]]  # identity: float32, every parameter
     assert (out / "global.npz").exists()
+    from compjax.checkpoint import Checkpointer
+
+    with Checkpointer(out / "syncer_checkpoint") as ckpt:  # written when the launcher stopped it (SIGTERM)
+        assert ckpt.latest_step() == 2  # merges so far: what a --resume starts from
 
 
 def test_launcher_writes_under_ignored_runs():

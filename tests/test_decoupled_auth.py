@@ -196,3 +196,22 @@ def test_the_syncer_pulls_only_from_the_address_a_learner_advertised_in_its_hell
     finally:
         a.close()
         server.close()
+
+
+def test_a_learner_that_closes_says_goodbye_and_the_round_waiting_for_it_merges_at_once():
+    syncer = Syncer(init(), learners=["a", "b"])  # quorum: both
+    server = MultiProcessTransport.for_syncer()
+    server.attach(syncer)
+    a, b = join(server, "a"), join(server, "b")
+    try:
+        a.send(message(syncer, "a", 0, 0, 1.0, seed=1))
+        drain(server, syncer, lambda: syncer.refused or syncer._rounds[0] is not None)
+        assert syncer.versions() == [0]
+        b.close()  # goodbye: b is gone, a's round is complete
+        drain(server, syncer, lambda: syncer.merges)
+        assert syncer.merges == [(0, 1, ("a",))] and syncer.live() == ("a",)
+        reply = a.poll("a", timeout=30)
+        assert reply is not None and reply.accepted
+    finally:
+        a.close()
+        server.close()

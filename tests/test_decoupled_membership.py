@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import jax
 import numpy as np
@@ -195,3 +196,27 @@ def test_a_learner_clips_its_tokens_to_the_cap_it_declared():
     assert incoming.header.tokens == 16.0
     with pytest.raises(ValueError, match="max_tokens"):
         Learner("a", sgd_step, init(), (), transport, sync_every=3, max_tokens=0.0)
+
+
+def test_a_learner_that_leaves_shrinks_the_quorum_at_once_and_counts_again_when_it_registers():
+    s = Syncer(init(), learners=["a", "b", "c"], outer=optax.sgd(1.0))  # quorum: all three
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1))
+    s.submit(message(s, "b", 0, 0, 1.0, seed=2))
+    replies = s.leave("c")  # a and b are every live learner: their round merges now, no time-out
+    assert [r.learner for r in replies] == ["a", "b"] and s.versions() == [1] and s.live() == ("a", "b")
+    assert s.leave("c") == [] and s.leave("nobody") == []
+    s.register("c")
+    s.submit(message(s, "a", 0, 1, 1.0, seed=3))
+    assert s.submit(message(s, "b", 0, 1, 1.0, seed=4)) == [] and s.versions() == [1]  # waits for c again
+
+
+def test_a_silence_during_warm_up_does_not_make_a_learner_lost(caplog):
+    """A restarted syncer counts every learner as heard when it restores; its compiles (warm_up) may outlast the
+    heartbeat time-out: after warm_up the learners count as heard again, none is lost."""
+    s = Syncer(init(), learners=["a"], heartbeat_timeout_s=5.0)
+    s.heartbeat("a", now=time.monotonic() - 60.0)  # heard a minute ago, then the syncer compiled
+    s.warm_up()
+    s.tick()
+    assert s.lost == [] and s.live() == ("a",)
+    s.tick(now=time.monotonic() + 6.0)  # silent for longer than the time-out once serving: lost
+    assert [n for n, _ in s.lost] == ["a"]

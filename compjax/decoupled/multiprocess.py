@@ -510,7 +510,16 @@ class MultiProcessTransport(Transport):
             raise RuntimeError(f"this is the {self.role}'s side of the transport; that method is the {role}'s")
 
     def close(self) -> None:
-        """Stop the background thread and close the socket (offers already made stay until the process exits)."""
+        """Stop the background thread and close the socket (offers already made stay until the process exits).
+
+        A learner that joined says ``goodbye`` first (the syncer's quorum shrinks at once:
+        :meth:`Syncer.leave <compjax.decoupled.Syncer.leave>`), waiting up to 1 s for it to be sent.
+        """
+        if self.role == "learner" and self._joined and not self._closed.is_set():
+            self._say({"type": "goodbye"})
+            end = time.monotonic() + 1.0
+            while not self._out.empty() and time.monotonic() < end:
+                time.sleep(0.01)
         self._closed.set()
         if self.role == "learner":
             self._io.join(timeout=10)
@@ -585,6 +594,10 @@ class MultiProcessTransport(Transport):
                     return None
                 self._routes[name], self._heard[name] = identity, time.monotonic()
             self._welcome(identity, name, msg.get("max_tokens"), msg.get("address"))
+        elif kind == "goodbye":
+            if self._syncer is not None and registered:
+                for reply in self._syncer.leave(name):  # the rounds its leave completed
+                    self.reply(reply)
         elif kind == "header" and not registered:
             logger.warning("transport: dropped a header from learner %r on a connection it did not say hello on",
                            name)

@@ -317,6 +317,7 @@ class Syncer:
         self.lost: list[tuple[str, float]] = []
         self._seen: dict[str, tuple[float, float]] = {}  # learner -> its last message (monotonic, wall-clock)
         self._lost: set[str] = set()
+        self._left: set[str] = set()  # learners that said goodbye (until they register again)
 
     # --- what a learner starts from ---------------------------------------------------------------
 
@@ -413,6 +414,7 @@ class Syncer:
                 self._last_merged[name] = [-1] * self.fragments
                 self._last_seq[name] = [0] * self.fragments
                 logger.info("learner %r joined at versions %s", name, self._version)
+            self._left.discard(name)  # back after a goodbye: counted again
             self.heartbeat(name, now=now)
             return self.start(name)
 
@@ -428,9 +430,26 @@ class Syncer:
                 logger.warning("learner %r is back after it was lost", name)
 
     def live(self) -> tuple[str, ...]:
-        """The known learners not lost."""
+        """The known learners neither lost nor gone (:meth:`leave`)."""
         with self._lock:
-            return tuple(k for k in self.learners if k not in self._lost)
+            return tuple(k for k in self.learners if k not in self._lost and k not in self._left)
+
+    def leave(self, name: str, *, now: float | None = None) -> list[Reply]:
+        """Learner ``name`` leaves cleanly (its goodbye): rounds stop waiting for it at once, no time-out.
+
+        The quorum shrinks as for a lost learner (``min_quorum``, or every learner still live
+        when fewer are left), so an open round that the others already completed merges now.  A
+        learner that registers again counts again.  Unknown names are ignored.
+
+        Returns:
+          The replies of the rounds its leave completed (:meth:`tick`'s).
+        """
+        with self._lock:
+            if name not in self._last_merged or name in self._left:
+                return []
+            self._left.add(name)
+            logger.info("learner %r left; live learners: %s", name, ", ".join(self.live()))
+            return self.tick(now=now)
 
     def global_params(self) -> Any:
         """The global model in the structure of ``params``: each synchronized leaf in its own dtype."""
@@ -573,13 +592,13 @@ class Syncer:
 
     def _quorum(self) -> int:
         """Contributions that merge a round now: ``min_quorum``, or fewer when learners were lost."""
-        return max(1, min(self.min_quorum, len(self.learners) - len(self._lost)))
+        return max(1, min(self.min_quorum, len(self.learners) - len(self._lost | self._left)))
 
     def _check_lost(self, now: float) -> None:
         if self.heartbeat_timeout_s is None:
             return
         for name in self.learners:
-            if name not in self._seen or name in self._lost:
+            if name not in self._seen or name in self._lost or name in self._left:
                 continue  # not heard from yet (starting up): the grace window bounds the wait for it
             last, wall = self._seen[name]
             if now - last > self.heartbeat_timeout_s:
@@ -717,7 +736,9 @@ class Syncer:
 
         A merge otherwise compiles on first use, once per fragment (decoding, the merge, the reply
         codec), inside the first round: every learner waiting for that round's reply waits for the
-        compiles too.  Call it before the learners start (a restart: before serving again).
+        compiles too.  Call it before the learners start (a restart: before serving again).  Every
+        learner heard before counts as heard when it ends: a restored syncer does not declare lost
+        the learners that were silent only because it was compiling.
         """
         with self._lock:
             for p in range(self.fragments):
@@ -730,6 +751,9 @@ class Syncer:
                     update = self._reply_encode(delta, self._reply_comm[p])[2]
                     new = self._reply_apply[p](self._global[p], tuple(np.asarray(x) for x in update))
                 jax.block_until_ready(new)
+            # Learners are not judged on the silence the compiles caused: they count as heard now.
+            now = time.monotonic()
+            self._seen = {k: (now, time.time()) for k in self._seen}
 
     def _encode_update(self, p: int, new: list) -> tuple[tuple[np.ndarray, ...], list]:
         """The reply compressor's message of ``new - global`` and the global values it decodes to."""
