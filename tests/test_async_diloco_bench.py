@@ -151,3 +151,26 @@ def test_a_rows_folder_starts_empty_so_an_earlier_runs_join_file_cannot_start_it
     (old / "go").write_text("go")
     new = bench.row_dir(tmp_path, "fault 10 Mbit/s")
     assert new == old and list(new.iterdir()) == []
+
+
+def test_system_columns_from_a_row():
+    """System throughput is all tokens over the time from the start to the last learner's last step (not the mean
+    of each learner's rate); refusals are a share of the contributions received, grouped by reason; merges are
+    counted by contributors; the wait splits into the last arrival's (link) and the rest (straggler)."""
+    learners = [{**_learner(f"learner{i}", 0.9, 1000.0, steps=100), "started": 1.0, "loop_s": loop, "step_s": step,
+                 "wall_s": loop + 1.0, "wait_s": wait} for i, (loop, step, wait) in enumerate([(10.0, 2.0, 1.0), (20.0, 4.0, 3.0)])]
+    row = _row("async 10 Mbit/s", "async", None, 1000.0, 2.0, learners=learners)
+    row["syncer"]["merges"] = [[0, 1, ["learner0", "learner1"]], [0, 2, ["learner0"]], [0, 3, ["learner1"]]]
+    row["syncer"]["refused"] = [["learner0", 0, "stale: staleness 2 > max_staleness 1"],
+                                ["learner1", 0, "replayed: sequence number 3 is not above 3"],
+                                ["learner1", 0, "stale: staleness 3 > max_staleness 1"]]
+    r = bench.summarize(row)
+    assert r["tokens"] == 200 * 16 * 64
+    assert r["system_tokens_per_s"] == pytest.approx(200 * 16 * 64 / 20.0)  # the last step ends 20 s after t_go
+    assert r["step_ms_mean"] == pytest.approx(1000 * (0.02 + 0.04) / 2)
+    assert r["refused_share"] == pytest.approx(3 / 7) and r["refused_why"] == {"replayed": 1, "stale": 2}
+    assert r["merges_by_contributors"] == {"1": 2, "2": 1}
+    assert r["link_wait_s"] == 1.0 and r["straggler_wait_s"] == pytest.approx(1.0)
+    md = bench.to_markdown(bench.build_report([row], ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]},
+                                              bench.FULL))
+    assert "| async 10 Mbit/s | 10,240 | 30.0 | 43% (replayed 1, stale 2) | 1: 2, 2: 1 | 1.0 / 1.0 |" in md
