@@ -604,9 +604,11 @@ def parser() -> argparse.ArgumentParser:
                     help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")
     ap.add_argument("--alpha", type=float, default=0.5, help="weight of the local parameters when a merge comes back")
-    ap.add_argument("--late-reply", choices=("defer", "wait"), default="wait",
+    ap.add_argument("--late-reply", choices=("defer", "wait", "drop"), default="wait",
                     help="a fragment due again before its merge came back: send it once the merge is in and train "
-                         "on (defer), or block for the merge (wait); unused with --lockstep")
+                         "on (defer), block for the merge (wait), or defer and give the send up once "
+                         "--reply-timeout-s late (drop: learners train on while the syncer is down, and rejoin when "
+                         "it is back); unused with --lockstep")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a learner is lost")
     ap.add_argument("--lockstep", action="store_true",
                     help="lock-step Streaming DiLoCo: quorum = all, no grace limit, learners wait for each merge")

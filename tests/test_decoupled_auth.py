@@ -215,3 +215,18 @@ def test_a_learner_that_closes_says_goodbye_and_the_round_waiting_for_it_merges_
     finally:
         a.close()
         server.close()
+
+
+def test_a_learner_that_gives_up_a_send_lets_its_arrays_go():
+    server = MultiProcessTransport.for_syncer()
+    server.attach(Syncer(init(), learners=["a"]))
+    a = join(server, "a")
+    try:
+        a.send(message(server._syncer, "a", 0, 0, 1.0, seed=1))  # never received: the syncer is "down"
+        a.send(message(server._syncer, "a", 0, 0, 1.0, seed=2))
+        assert len(a._offers) == 2
+        a.abandon("a", 0)  # both offers of fragment 0 are pulled back: the transfer server holds nothing of them
+        assert a._offers == {}
+    finally:
+        a.close()
+        server.close()

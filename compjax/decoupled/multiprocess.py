@@ -802,6 +802,19 @@ class MultiProcessTransport(Transport):
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
                    "address": self.transfer_address})
 
+    def abandon(self, learner: str, fragment: int) -> None:
+        """Let go of the offers of ``fragment``'s unanswered sends (their arrays leave the transfer server)."""
+        self._need("learner")
+        with self._offers_lock:
+            gone = [(u, o) for u, o in self._offers.items() if o[2] == int(fragment)]
+            for u, _ in gone:
+                del self._offers[u]
+        for uuid, (shapes, dtypes, _) in gone:  # pull our own offer: the transfer server lets go of the arrays
+            try:
+                _pull(self.transfer_address, uuid, shapes, dtypes, self._pull_timeout, "abandon")
+            except Exception as e:  # noqa: BLE001 - one offer left behind, logged
+                logger.info("learner %r: letting go of offer %s failed: %s", self.name, uuid, e)
+
     def _receive_loop(self) -> None:
         """Pull the arrays of each reply (and of a restarted syncer's welcome) off the training thread."""
         while not self._closed.is_set():
