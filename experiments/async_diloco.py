@@ -257,7 +257,9 @@ def run_syncer(args) -> dict:
     if "compressor" in inspect.signature(Syncer).parameters:  # a syncer that decodes the learners' payloads
         extra["compressor"] = make_compressor(args.compressor)
     syncer = CountingSyncer(params, learners=names, fragments=args.fragments, **extra,
-                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True), min_quorum=quorum(args),
+                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
+                            min_quorum=None if args.quorum_fraction else quorum(args),
+                            quorum_fraction=None if args.lockstep else args.quorum_fraction,
                             grace_s=None if args.lockstep else args.grace_s,
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
@@ -463,6 +465,8 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--reply-compressor", args.reply_compressor]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
+    if args.quorum_fraction is not None:
+        a += ["--quorum-fraction", str(args.quorum_fraction)]
     if args.lockstep:
         a.append("--lockstep")
     if args.text:
@@ -598,6 +602,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
     ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1, at least 2)")
+    ap.add_argument("--quorum-fraction", type=float, default=None,
+                    help="instead of --min-quorum: the quorum is this fraction of the live learners (follows joins, "
+                         "losses and leaves)")
     ap.add_argument("--grace-s", type=float, default=2.0,
                     help="seconds a round waits for its quorum (a fraction of the time between two sends of a fragment)")
     ap.add_argument("--max-staleness", type=int, default=0,

@@ -220,3 +220,20 @@ def test_a_silence_during_warm_up_does_not_make_a_learner_lost(caplog):
     assert s.lost == [] and s.live() == ("a",)
     s.tick(now=time.monotonic() + 6.0)  # silent for longer than the time-out once serving: lost
     assert [n for n, _ in s.lost] == ["a"]
+
+
+def test_a_quorum_fraction_follows_the_live_membership():
+    s = Syncer(init(), learners=["a", "b", "c", "d"], quorum_fraction=0.5)
+    assert s._quorum() == 2
+    for n in ("e", "f"):
+        s.register(n)
+    assert s._quorum() == 3  # ceil(0.5 x 6)
+    s.leave("f")
+    s.leave("e")
+    s.leave("d")
+    assert s._quorum() == 2  # ceil(0.5 x 3)
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1))
+    assert s.versions() == [0] and [r.learner for r in s.submit(message(s, "b", 0, 0, 1.0, seed=2))] == ["a", "b"]
+    for bad in ({"quorum_fraction": 0.0}, {"quorum_fraction": 1.5}, {"quorum_fraction": 0.5, "min_quorum": 2}):
+        with pytest.raises(ValueError, match="quorum_fraction"):
+            Syncer(init(), learners=["a", "b"], **bad)

@@ -177,6 +177,9 @@ class Syncer:
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).
       min_quorum: contributions that trigger a merge, in [1, len(learners)];
         default all learners.
+      quorum_fraction: in (0, 1], or None (default): the quorum follows the live membership,
+        ``ceil(quorum_fraction x live learners)`` (joins raise it, losses and leaves lower it);
+        not with ``min_quorum``.
       grace_s: seconds a round waits for its quorum after it opened, > 0;
         None (default) waits forever.
       max_staleness: the largest staleness accepted, an integer >= 0.
@@ -238,6 +241,7 @@ class Syncer:
         compressor: optax.GradientTransformation | None = None,
         outer: optax.GradientTransformation | None = None,
         min_quorum: int | None = None,
+        quorum_fraction: float | None = None,
         grace_s: float | None = None,
         max_staleness: int = 0,
         staleness_decay: float = 0.0,
@@ -253,6 +257,12 @@ class Syncer:
         check_range("fragments", fragments, 1, None, integer=True, static=True)
         quorum = len(names) if min_quorum is None else min_quorum
         check_range("min_quorum", quorum, 1, len(names), integer=True, static=True)
+        if quorum_fraction is not None:
+            check_range("quorum_fraction", quorum_fraction, 0.0, 1.0, lo_open=True)
+            if min_quorum is not None:
+                raise ValueError(f"quorum_fraction and min_quorum exclude each other, got {quorum_fraction!r} and "
+                                 f"{min_quorum!r}")
+        self.quorum_fraction = None if quorum_fraction is None else float(quorum_fraction)
         if grace_s is not None:
             check_range("grace_s", grace_s, 0.0, None, lo_open=True)
         check_range("max_staleness", max_staleness, 0, None, integer=True, static=True)
@@ -591,8 +601,12 @@ class Syncer:
             return []
 
     def _quorum(self) -> int:
-        """Contributions that merge a round now: ``min_quorum``, or fewer when learners were lost."""
-        return max(1, min(self.min_quorum, len(self.learners) - len(self._lost | self._left)))
+        """Contributions that merge a round now: ``min_quorum`` (or ``quorum_fraction`` of the live learners), or
+        fewer when learners were lost or left."""
+        live = len(self.learners) - len(self._lost | self._left)
+        if self.quorum_fraction is not None:
+            return max(1, min(live, math.ceil(self.quorum_fraction * live - 1e-9)))
+        return max(1, min(self.min_quorum, live))
 
     def _check_lost(self, now: float) -> None:
         if self.heartbeat_timeout_s is None:
