@@ -17,6 +17,14 @@ name.  Control messages are small JSON frames:
 * ``reply`` (syncer -> learner): a :class:`~compjax.decoupled.Reply` without its arrays, plus the
   transfer id under which the syncer offers them (``"update": true`` when they are the compressed
   update rather than the whole values).
+* ``goodbye`` (learner -> syncer, on :meth:`MultiProcessTransport.close`): a clean leave
+  (:meth:`Syncer.leave <compjax.decoupled.Syncer.leave>`).
+
+``hello`` also carries the learner's transfer address (the only one the syncer pulls its
+contributions from) and, optionally, the token cap it declares.  With keys (ZeroMQ CURVE, pyzmq's
+``zmq.auth``: see :meth:`MultiProcessTransport.for_syncer`) every connection authenticates against
+an allow-list, frames are encrypted, and a learner is named by its key; without keys the syncer
+binds only a loopback address unless told ``insecure=True``.
 
 Arrays move with ``jax.experimental.transfer``: every process runs a transfer server bound to the
 address its peers reach it at (its *advertised* host, see :class:`MultiProcessTransport`), and every

@@ -165,7 +165,9 @@ class Syncer:
     :attr:`lost` records it, and rounds stop waiting for it: a round merges once
     ``min_quorum`` learners, or every learner not lost if fewer are left, have
     contributed; until a loss is noticed, the grace window bounds the wait.  A
-    lost learner that speaks again is counted again.
+    lost learner that speaks again is counted again.  A learner that leaves
+    cleanly (:meth:`leave`, its goodbye) is out of the live membership at once;
+    with ``quorum_fraction`` the quorum is that fraction of the live learners.
 
     Args:
       params: the initial global parameters (a pytree; every learner starts from them).
