@@ -271,6 +271,9 @@ def run_syncer(args) -> dict:
     if args.resume:  # the global model, outer state, versions and counters of the latest checkpoint
         saved[0] = syncer.restore(ckpt)
         say(f"syncer resumed from {ckpt} step {saved[0]}: versions {syncer.versions()}")
+    elif args.checkpoint_every and ckpt.exists() and any(ckpt.iterdir()):
+        raise ValueError(f"{ckpt} holds checkpoints of an earlier syncer: pass --resume to go on from them, or "
+                         f"another --checkpoint-dir / --out")
 
     def checkpoint(why: str) -> None:
         step = sum(syncer.versions())  # merges so far: grows across restarts

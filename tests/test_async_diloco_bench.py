@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 
@@ -133,6 +134,22 @@ def test_launcher(tmp_path):
 
     with Checkpointer(out / "syncer_checkpoint") as ckpt:  # written when the launcher stopped it (SIGTERM)
         assert ckpt.latest_step() == 2  # merges so far: what a --resume starts from
+    # The syncer role restarted with --resume takes the checkpoint up: its versions go on from [2].
+    args = launcher.parser().parse_args(["--learners", "2", "--steps", "20", "--sync-every", "10", "--fragments", "1",
+                                         "--compressor", "identity", "--text", str(EXCERPT), "--out",
+                                         str(tmp_path / "resumed"), "--address", launcher.free_address()])
+    cmd = [sys.executable, "-m", "experiments.async_diloco", *launcher.role_args(args, "syncer"), "--resume",
+           "--checkpoint-dir", str(out / "syncer_checkpoint")]
+    proc = subprocess.Popen(cmd, cwd=launcher.REPO, env=launcher.child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # serving once bound: then stopped
+        seen.append(line)
+        if "syncer bound" in line:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, "".join(seen[-40:])
+    assert any("syncer resumed from" in x and "versions [2]" in x for x in seen), "".join(seen[-40:])
+    assert json.loads((tmp_path / "resumed" / "syncer.json").read_text())["versions"] == [2]
 
 
 def test_launcher_writes_under_ignored_runs():
