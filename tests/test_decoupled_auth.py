@@ -198,6 +198,7 @@ def test_the_syncer_pulls_only_from_the_address_a_learner_advertised_in_its_hell
         server.close()
 
 
+@pytest.mark.slow  # two joins and a close: about 3 s
 def test_a_learner_that_closes_says_goodbye_and_the_round_waiting_for_it_merges_at_once():
     syncer = Syncer(init(), learners=["a", "b"])  # quorum: both
     server = MultiProcessTransport.for_syncer()
