@@ -5,8 +5,9 @@
     python -m experiments.async_diloco --learners 4 --lockstep           # lock-step Streaming DiLoCo, same code
     python -m experiments.async_diloco syncer  --address tcp://127.0.0.1:5555 --learners 4 ...   # one role
     python -m experiments.async_diloco learner --address tcp://127.0.0.1:5555 --index 0 ...      # per learner
-    python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 ...   # host A
-    python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --index 0 ...             # host B
+    python -m experiments.async_diloco keys --keys certs --learners 2                                  # CURVE keys
+    python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 --keys certs ...
+    python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --index 0 --keys certs ...  # host B
 
 Without a role, the launcher starts one syncer process and ``--learners`` learner processes on this
 machine (:class:`compjax.decoupled.MultiProcessTransport`: ZeroMQ control frames, arrays over
@@ -45,11 +46,15 @@ machine).  Without ``--advertise`` the syncer advertises the host it binds (for 
 the default route) and a learner its own address on the route towards the syncer, which is right on a
 machine with one network interface; pass it where there are several.  With the syncer on host A
 (10.0.0.1) and learners on hosts B (10.0.0.2) and C (10.0.0.3), every host with this repository and the
-same settings (the settings must match; the launcher prints them for a run on one machine)::
+same settings (the settings must match; the launcher prints them for a run on one machine), and CURVE keys
+(a syncer bound to a non-loopback address refuses to start without them unless ``--insecure``): ``keys``
+writes them on A; copy ``certs/syncer.key`` and the learner's own ``certs/learner<i>.key_secret`` to each
+learner's host (the same paths), and keep ``certs/allowed/`` (the allow-list) on A::
 
-    A$ python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 --learners 2
-    B$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.2 --learners 2 --index 0
-    C$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.3 --learners 2 --index 1
+    A$ python -m experiments.async_diloco keys    --keys certs --learners 2
+    A$ python -m experiments.async_diloco syncer  --address tcp://0.0.0.0:5555 --advertise 10.0.0.1 --learners 2 --keys certs
+    B$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.2 --learners 2 --index 0 --keys certs
+    C$ python -m experiments.async_diloco learner --address tcp://10.0.0.1:5555 --advertise 10.0.0.3 --learners 2 --index 1 --keys certs
 
 The syncer's port (5555) and each process's transfer server (a free port on its advertised address) must be
 reachable between the machines (the same network, no NAT between them); stop the syncer with Ctrl-C once
@@ -199,8 +204,8 @@ def run_syncer(args) -> dict:
     class CountingSyncer(Syncer):
         """The syncer, counting the global values each (re)joining learner is sent."""
 
-        def register(self, name, *, now=None):
-            start = super().register(name, now=now)
+        def register(self, name, **kwargs):
+            start = super().register(name, **kwargs)
             carried["welcomes"].append([time.time(), name, sum(nbytes(v) for v in start.values)])
             return start
 
@@ -252,15 +257,36 @@ def run_syncer(args) -> dict:
     if "compressor" in inspect.signature(Syncer).parameters:  # a syncer that decodes the learners' payloads
         extra["compressor"] = make_compressor(args.compressor)
     syncer = CountingSyncer(params, learners=names, fragments=args.fragments, **extra,
-                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True), min_quorum=quorum(args),
+                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
+                            min_quorum=None if args.quorum_fraction else quorum(args),
+                            quorum_fraction=None if args.lockstep else args.quorum_fraction,
                             grace_s=None if args.lockstep else args.grace_s,
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
                             heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s,
-                            reply_compressor=make_reply_compressor(args.reply_compressor))
+                            reply_compressor=make_reply_compressor(args.reply_compressor),
+                            max_tokens=args.sync_every * args.batch * args.seq_len)
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else out / "syncer_checkpoint"
+    saved = [-1]
+    if args.resume:  # the global model, outer state, versions and counters of the latest checkpoint
+        saved[0] = syncer.restore(ckpt)
+        say(f"syncer resumed from {ckpt} step {saved[0]}: versions {syncer.versions()}")
+    elif args.checkpoint_every and ckpt.exists() and any(ckpt.iterdir()):
+        raise ValueError(f"{ckpt} holds checkpoints of an earlier syncer: pass --resume to go on from them, or "
+                         f"another --checkpoint-dir / --out")
+
+    def checkpoint(why: str) -> None:
+        step = sum(syncer.versions())  # merges so far: grows across restarts
+        if step > saved[0]:
+            syncer.save(ckpt, step)
+            saved[0] = step
+            say(f"syncer checkpoint {step} ({why}) in {ckpt}")
+
     syncer.warm_up()  # the merges' compiles now, not inside the first rounds that every learner waits for
+    keys = {} if args.keys is None else {"key_file": Path(args.keys) / "syncer.key_secret",
+                                         "allowed_keys": Path(args.keys) / "allowed"}
     transport = MultiProcessTransport.for_syncer(args.address, pull_timeout_s=args.pull_timeout_s,
-                                                 advertise=args.advertise)
+                                                 advertise=args.advertise, insecure=args.insecure, **keys)
     say(f"syncer bound {transport.address}, arrays served from {transport.transfer_address}")
     done = threading.Event()
     server = threading.Thread(target=syncer.serve, args=(Counting(transport), done), daemon=True)
@@ -269,6 +295,8 @@ def run_syncer(args) -> dict:
     snapshots = [(time.time(), [0] * args.fragments, syncer.global_params())]
     while not stop.is_set() and server.is_alive():
         versions = syncer.versions()
+        if args.checkpoint_every and sum(versions) >= max(saved[0], 0) + args.checkpoint_every:
+            checkpoint(f"every {args.checkpoint_every} merges")
         if min(versions) >= len(snapshots) * args.snapshot_every:  # every fragment merged snapshot_every more
             current = syncer.global_params()
             if syncer.versions() == versions:  # no merge in between: the parameters are those of ``versions``
@@ -278,6 +306,8 @@ def run_syncer(args) -> dict:
     done.set()
     server.join(timeout=30)
     transport.close()
+    if args.checkpoint_every:
+        checkpoint("stopped")  # SIGTERM / SIGINT: the state a --resume starts from
     final = syncer.global_params()
     snapshots.append((time.time(), syncer.versions(), final))
     evaluate = make_evaluator(loss_fn)
@@ -353,12 +383,17 @@ def run_learner(args) -> dict:
 
     tokens_per_step = args.batch * args.seq_len
     batch = lambda step: data.batch_at(train, step, 1, args.batch, args.seq_len, seed=args.seed * 1000 + args.index)[0]
-    transport = MultiProcessTransport.for_learner(name, args.address, advertise=args.advertise)
+    keys = {} if args.keys is None else {"key_file": Path(args.keys) / f"{name}.key_secret",
+                                         "server_key": Path(args.keys) / "syncer.key"}
+    cap = args.sync_every * tokens_per_step  # the most tokens one contribution carries (declared in its hello)
+    transport = MultiProcessTransport.for_learner(name, args.address, advertise=args.advertise, max_tokens=cap,
+                                                  **keys)
     say(f"learner {name}: arrays served from {transport.transfer_address}")
     learner = Learner(name, train_step, params, inner.init(params), transport, sync_every=args.sync_every,
                       fragments=args.fragments, compressor=make_compressor(args.compressor), alpha=args.alpha,
                       wait_for_merge=args.lockstep, late_reply=args.late_reply, reply_timeout_s=args.reply_timeout_s,
-                      worker_index=args.index, reply_compressor=make_reply_compressor(args.reply_compressor))
+                      worker_index=args.index, reply_compressor=make_reply_compressor(args.reply_compressor),
+                      max_tokens=cap)
     learner.warm_up(batch(0))  # compile first, then join: the first contribution is fresh
     say(f"learner {name} compiled")
     wait_for(args.join_file)
@@ -433,12 +468,18 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--reply-compressor", args.reply_compressor]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
+    if args.quorum_fraction is not None:
+        a += ["--quorum-fraction", str(args.quorum_fraction)]
     if args.lockstep:
         a.append("--lockstep")
     if args.text:
         a += ["--text", str(args.text)]
     if role == "syncer" and args.advertise:
         a += ["--advertise", args.advertise]
+    if args.keys:
+        a += ["--keys", str(args.keys)]
+    if role == "syncer" and args.insecure:
+        a.append("--insecure")
     for k, v in extra.items():
         a += [f"--{k.replace('_', '-')}", str(v)]
     return a
@@ -461,6 +502,22 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def write_keys(folder: Path, names: list[str]) -> None:
+    """CURVE certificates (``zmq.auth.create_certificates``): the syncer's and each learner's key pair in ``folder``,
+    the learners' public halves again in ``folder/allowed`` (the syncer's allow-list).  Copy to each learner's
+    machine only its own ``NAME.key_secret`` and ``syncer.key``."""
+    import shutil
+
+    import zmq.auth
+
+    (folder / "allowed").mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(folder, "syncer")
+    for name in names:
+        public, _ = zmq.auth.create_certificates(folder, name)
+        shutil.copy(public, folder / "allowed")
+    say(f"CURVE certificates of the syncer and {len(names)} learners in {folder}; the allow-list: {folder / 'allowed'}")
+
+
 def launch(args) -> int:
     """Start the syncer and the learners here, print the per-role commands, wait for the learners, stop the syncer."""
     if args.address is None:
@@ -475,8 +532,9 @@ def launch(args) -> int:
         say("  " + shlex.join([*shown, *role_args(args, "learner", index=i)]))
     say(f"Every learner is given the syncer's address ({connect_address(args.address, args.advertise)}); "
         f"stop the syncer with Ctrl-C when they are done.")
-    say("On several machines: the syncer on host A with --address tcp://0.0.0.0:PORT --advertise A_IP, each learner "
-        "on its host with --address tcp://A_IP:PORT --advertise ITS_IP (see --help).")
+    say("On several machines: keys --keys DIR on host A, the syncer on A with --address tcp://0.0.0.0:PORT --advertise "
+        "A_IP --keys DIR, each learner on its host with --address tcp://A_IP:PORT --advertise ITS_IP --keys DIR "
+        "(see --help).")
     say(f"Starting them here; results in {args.out}")
     logs = Path(args.out)
     env = child_env()
@@ -516,8 +574,15 @@ def launch(args) -> int:
 def parser() -> argparse.ArgumentParser:
     """The command line (shared by the launcher and the two roles)."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("role", nargs="?", choices=["launch", "syncer", "learner"], default="launch",
-                    help="launch (default): the syncer and every learner here; syncer or learner: one role")
+    ap.add_argument("role", nargs="?", choices=["launch", "syncer", "learner", "keys"], default="launch",
+                    help="launch (default): the syncer and every learner here; syncer or learner: one role; "
+                         "keys: write CURVE certificates for the syncer and --learners learners to --keys")
+    ap.add_argument("--keys", default=None,
+                    help="a folder of ZeroMQ CURVE certificates (written by the keys role): the syncer reads "
+                         "syncer.key_secret and the allow-list allowed/NAME.key, a learner NAME.key_secret and "
+                         "syncer.key; without it the syncer binds only a loopback address unless --insecure")
+    ap.add_argument("--insecure", action="store_true",
+                    help="(syncer) bind a non-loopback address without keys: anyone who reaches it may contribute")
     ap.add_argument("--learners", type=int, default=4, help="N, the learners the syncer expects (default 4)")
     ap.add_argument("--address", default=None,
                     help="the syncer's endpoint tcp://HOST:PORT: the syncer binds it (HOST an IPv4 address of its "
@@ -540,15 +605,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
     ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1, at least 2)")
+    ap.add_argument("--quorum-fraction", type=float, default=None,
+                    help="instead of --min-quorum: the quorum is this fraction of the live learners (follows joins, "
+                         "losses and leaves)")
     ap.add_argument("--grace-s", type=float, default=2.0,
                     help="seconds a round waits for its quorum (a fraction of the time between two sends of a fragment)")
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")
     ap.add_argument("--alpha", type=float, default=0.5, help="weight of the local parameters when a merge comes back")
-    ap.add_argument("--late-reply", choices=("defer", "wait"), default="wait",
+    ap.add_argument("--late-reply", choices=("defer", "wait", "drop"), default="wait",
                     help="a fragment due again before its merge came back: send it once the merge is in and train "
-                         "on (defer), or block for the merge (wait); unused with --lockstep")
+                         "on (defer), block for the merge (wait), or defer and give the send up once "
+                         "--reply-timeout-s late (drop: learners train on while the syncer is down, and rejoin when "
+                         "it is back); unused with --lockstep")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a learner is lost")
     ap.add_argument("--lockstep", action="store_true",
                     help="lock-step Streaming DiLoCo: quorum = all, no grace limit, learners wait for each merge")
@@ -561,6 +631,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=50, help="a learner's progress line every this many steps")
     ap.add_argument("--index", type=int, default=0, help="(learner) its index: name learner<index>, its data")
     ap.add_argument("--name", default=None, help="(learner) its name, default learner<index>")
+    ap.add_argument("--checkpoint-every", type=int, default=10,
+                    help="(syncer) write a checkpoint every this many merges and when stopped (0: never)")
+    ap.add_argument("--checkpoint-dir", default=None, help="(syncer) where (default <out>/syncer_checkpoint)")
+    ap.add_argument("--resume", action="store_true",
+                    help="(syncer) start from the latest checkpoint of --checkpoint-dir (a restarted syncer)")
     ap.add_argument("--pull-timeout-s", type=float, default=10.0,
                     help="(syncer) the longest wait for one contribution's arrays (a longer one is refused)")
     ap.add_argument("--reply-timeout-s", type=float, default=300.0, help="(learner) the longest wait for one reply")
@@ -580,6 +655,11 @@ def main(argv=None) -> int:
     if args.min_quorum is not None and not 1 <= args.min_quorum <= args.learners:
         raise ValueError(f"--min-quorum must be in [1, --learners = {args.learners}], got {args.min_quorum}")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+    if args.role == "keys":
+        if args.keys is None:
+            raise ValueError("--keys is needed for the keys role: the folder the certificates go to")
+        write_keys(Path(args.keys), [args.name or learner_name(i) for i in range(args.learners)])
+        return 0
     if args.role == "launch":
         return launch(args)
     if args.address is None:

@@ -146,12 +146,13 @@ def run_bad(run: dict, out: Path) -> None:
     good = start.values[0]
     answers = []
     merged = None
-    for case in ["good", *run["cases"]]:
+    for seq, case in enumerate(["good", *run["cases"]], start=1):
         # The payload of the syncer's default compressor (cj.identity): the leaves in one float32 buffer.
         values = [np.concatenate([np.ravel(np.array(v, np.float32) * 0.01) for v in good])]
         fields = {"learner": name, "fragment": 0, "base_version": start.versions[0] + (case != "good"),
                   "tokens": 8.0, "step": 1, "shapes": tuple(v.shape for v in values),
-                  "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": sum(v.nbytes for v in values)}
+                  "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": sum(v.nbytes for v in values),
+                  "seq": seq}
         sender = transport
         if case == "nonfinite":
             values[0][0] = np.nan

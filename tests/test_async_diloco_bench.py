@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 
@@ -107,15 +108,19 @@ def test_quick_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_launcher(tmp_path):
-    """The launcher starts a syncer and two learners, prints each role's command, and writes its results."""
+    """The launcher starts a syncer and two learners over CURVE (the keys role's certificates), prints each role's
+    command, and writes its results."""
     out = tmp_path / "run"
+    assert launcher.main(["keys", "--keys", str(tmp_path / "certs"), "--learners", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "certs" / "allowed").iterdir()) == ["learner0.key", "learner1.key"]
     r = subprocess.run([sys.executable, "-m", "experiments.async_diloco", "--learners", "2", "--steps", "20",
                         "--sync-every", "10", "--fragments", "1", "--compressor", "identity", "--text", str(EXCERPT),
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, check=False,
-                       cwd=launcher.REPO, env=launcher.child_env())
+                        "--out", str(out), "--keys", str(tmp_path / "certs")], capture_output=True, text=True,
+                       timeout=600, check=False, cwd=launcher.REPO, env=launcher.child_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     commands = [line.strip() for line in r.stdout.splitlines() if line.startswith("  python -m experiments.async_diloco")]
     assert len(commands) == 3 and " syncer " in commands[0] and "--index 1" in commands[2]
+    assert all("--keys" in c for c in commands)
     address = commands[0].split("--address ")[1].split()[0]
     assert all(f"--address {address}" in c for c in commands)
     syncer = json.loads((out / "syncer.json").read_text())
@@ -125,6 +130,26 @@ def test_launcher(tmp_path):
         assert stats["steps"] == 20 and stats["sends"] == [2]
         assert stats["bytes_sent"] == [2 * 4 * syncer["num_params"]]  # identity: float32, every parameter
     assert (out / "global.npz").exists()
+    from compjax.checkpoint import Checkpointer
+
+    with Checkpointer(out / "syncer_checkpoint") as ckpt:  # written when the launcher stopped it (SIGTERM)
+        assert ckpt.latest_step() == 2  # merges so far: what a --resume starts from
+    # The syncer role restarted with --resume takes the checkpoint up: its versions go on from [2].
+    args = launcher.parser().parse_args(["--learners", "2", "--steps", "20", "--sync-every", "10", "--fragments", "1",
+                                         "--compressor", "identity", "--text", str(EXCERPT), "--out",
+                                         str(tmp_path / "resumed"), "--address", launcher.free_address()])
+    cmd = [sys.executable, "-m", "experiments.async_diloco", *launcher.role_args(args, "syncer"), "--resume",
+           "--checkpoint-dir", str(out / "syncer_checkpoint")]
+    proc = subprocess.Popen(cmd, cwd=launcher.REPO, env=launcher.child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # serving once bound: then stopped
+        seen.append(line)
+        if "syncer bound" in line:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, "".join(seen[-40:])
+    assert any("syncer resumed from" in x and "versions [2]" in x for x in seen), "".join(seen[-40:])
+    assert json.loads((tmp_path / "resumed" / "syncer.json").read_text())["versions"] == [2]
 
 
 def test_launcher_writes_under_ignored_runs():
@@ -143,3 +168,26 @@ def test_a_rows_folder_starts_empty_so_an_earlier_runs_join_file_cannot_start_it
     (old / "go").write_text("go")
     new = bench.row_dir(tmp_path, "fault 10 Mbit/s")
     assert new == old and list(new.iterdir()) == []
+
+
+def test_system_columns_from_a_row():
+    """System throughput is all tokens over the time from the start to the last learner's last step (not the mean
+    of each learner's rate); refusals are a share of the contributions received, grouped by reason; merges are
+    counted by contributors; the wait splits into the last arrival's (link) and the rest (straggler)."""
+    learners = [{**_learner(f"learner{i}", 0.9, 1000.0, steps=100), "started": 1.0, "loop_s": loop, "step_s": step,
+                 "wall_s": loop + 1.0, "wait_s": wait} for i, (loop, step, wait) in enumerate([(10.0, 2.0, 1.0), (20.0, 4.0, 3.0)])]
+    row = _row("async 10 Mbit/s", "async", None, 1000.0, 2.0, learners=learners)
+    row["syncer"]["merges"] = [[0, 1, ["learner0", "learner1"]], [0, 2, ["learner0"]], [0, 3, ["learner1"]]]
+    row["syncer"]["refused"] = [["learner0", 0, "stale: staleness 2 > max_staleness 1"],
+                                ["learner1", 0, "replayed: sequence number 3 is not above 3"],
+                                ["learner1", 0, "stale: staleness 3 > max_staleness 1"]]
+    r = bench.summarize(row)
+    assert r["tokens"] == 200 * 16 * 64
+    assert r["system_tokens_per_s"] == pytest.approx(200 * 16 * 64 / 20.0)  # the last step ends 20 s after t_go
+    assert r["step_ms_mean"] == pytest.approx(1000 * (0.02 + 0.04) / 2)
+    assert r["refused_share"] == pytest.approx(3 / 7) and r["refused_why"] == {"replayed": 1, "stale": 2}
+    assert r["merges_by_contributors"] == {"1": 2, "2": 1}
+    assert r["link_wait_s"] == 1.0 and r["straggler_wait_s"] == pytest.approx(1.0)
+    md = bench.to_markdown(bench.build_report([row], ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]},
+                                              bench.FULL))
+    assert "| async 10 Mbit/s | 10,240 | 30.0 | 43% (replayed 1, stale 2) | 1: 2, 2: 1 | 1.0 / 1.0 |" in md

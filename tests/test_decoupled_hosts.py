@@ -64,7 +64,9 @@ def test_endpoints_and_advertised_hosts_are_checked():
 def test_a_syncer_on_every_interface_advertises_a_reachable_address():
     from compjax.decoupled import MultiProcessTransport
 
-    t = MultiProcessTransport.for_syncer("tcp://0.0.0.0:0")
+    with pytest.raises(ValueError, match="insecure=True"):  # every interface, no keys: refused unless said
+        MultiProcessTransport.for_syncer("tcp://0.0.0.0:0")
+    t = MultiProcessTransport.for_syncer("tcp://0.0.0.0:0", insecure=True)
     try:
         port = int(t.address.rsplit(":", 1)[1])
         assert port > 0 and t.advertise != "0.0.0.0" and t.transfer_address.startswith(t.advertise + ":")

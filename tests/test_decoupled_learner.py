@@ -3,7 +3,9 @@ the α merge of a late reply with its delay recorded, and a run that completes w
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -177,3 +179,28 @@ def test_a_failed_send_raises_at_the_next_send_not_as_a_missing_reply():
     with pytest.raises(ConnectionError, match="the link is down"):
         for _ in range(6):  # the next send (or the wait for a reply) raises the sender thread's error
             lrn.step(1.0)
+
+
+def test_with_late_reply_drop_a_learner_trains_on_while_the_syncer_is_down_and_gives_up_late_sends(caplog):
+    """No syncer serves: with late_reply="drop" no step blocks; a send unanswered for reply_timeout_s is given up
+    (logged, counted) and its fragment sent anew, at most one send in flight per fragment; finish gives up the
+    last one instead of raising; once the syncer serves, the queued contributions are merged or refused."""
+    from tests.test_decoupled_membership import init, sgd_step
+
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=1, late_reply="drop", reply_timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        for k in range(4):
+            lrn.step(1.0)
+            if k == 1:
+                time.sleep(0.25)  # the send of step 1 is now late
+        assert lrn.stats.wait_seconds == 0.0  # no step waited for the syncer
+        lrn.finish()  # waits reply_timeout_s for the last send, then gives it up
+    assert lrn.stats.sends == [2] and lrn.stats.abandoned == [2]  # steps 1 and 3 sent; both given up
+    assert caplog.text.count("the send is given up") == 2
+    s = Syncer(init(), learners=["a"], min_quorum=1)
+    while (incoming := transport.receive(timeout=0.0)) is not None:
+        s.handle(incoming)
+    assert s.versions() == [1] and [r[2][:5] for r in s.refused] == ["stale"]  # the second, from version 0
+    with pytest.raises(ValueError, match="reply_timeout_s"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=1, late_reply="drop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import jax
 import numpy as np
@@ -51,6 +52,23 @@ def test_bad_worker_index_and_start_raise():
         Learner("a", sgd_step, init(), (), transport, sync_every=2, worker_index=-1)
     with pytest.raises(ValueError, match="start"):
         Learner("a", sgd_step, init(), (), transport, sync_every=2, start=Start(((),), (0,)))
+    good = Syncer(init(), learners=["a"]).start()
+    with pytest.raises(ValueError, match="seqs"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=2, start=Start(good.values, good.versions, (-1,)))
+
+
+def test_a_restarted_learner_numbers_its_contributions_after_the_last_the_syncer_took():
+    """Learner a sent two contributions, then restarts from a fresh process (its counters at zero): it rejoins with
+    register's start and its next contribution is numbered 3, not 1 (which would read as a replay)."""
+    s = Syncer(init(), learners=["a"], outer=optax.sgd(1.0), min_quorum=1)
+    for seq in (1, 2):
+        s.submit(message(s, "a", 0, seq - 1, 1.0, seed=seq, seq=seq))
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=1, start=s.register("a"))
+    lrn.step(1.0)
+    incoming = transport.receive(timeout=30)
+    lrn._sender.shutdown(wait=True)
+    assert incoming.header.seq == 3 and [r.accepted for r in s.handle(incoming)] == [True]
 
 
 def test_a_late_joiner_starts_from_the_current_state_and_its_first_contribution_is_merged():
@@ -165,3 +183,57 @@ def test_warm_up_changes_nothing_and_start_from_needs_no_send_in_flight():
     with pytest.raises(ValueError, match="in flight"):
         lrn.start_from(s.start())
     lrn._sender.shutdown(wait=True)
+
+
+def test_a_learner_clips_its_tokens_to_the_cap_it_declared():
+    """sync_every 3 at 8 tokens a step is 24 tokens a contribution; declared 16, it reports 16 (never above)."""
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=3, max_tokens=16.0)
+    for _ in range(3):
+        lrn.step(1.0, tokens=8.0)
+    incoming = transport.receive(timeout=30)
+    lrn._sender.shutdown(wait=True)
+    assert incoming.header.tokens == 16.0
+    with pytest.raises(ValueError, match="max_tokens"):
+        Learner("a", sgd_step, init(), (), transport, sync_every=3, max_tokens=0.0)
+
+
+def test_a_learner_that_leaves_shrinks_the_quorum_at_once_and_counts_again_when_it_registers():
+    s = Syncer(init(), learners=["a", "b", "c"], outer=optax.sgd(1.0))  # quorum: all three
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1))
+    s.submit(message(s, "b", 0, 0, 1.0, seed=2))
+    replies = s.leave("c")  # a and b are every live learner: their round merges now, no time-out
+    assert [r.learner for r in replies] == ["a", "b"] and s.versions() == [1] and s.live() == ("a", "b")
+    assert s.leave("c") == [] and s.leave("nobody") == []
+    s.register("c")
+    s.submit(message(s, "a", 0, 1, 1.0, seed=3))
+    assert s.submit(message(s, "b", 0, 1, 1.0, seed=4)) == [] and s.versions() == [1]  # waits for c again
+
+
+def test_a_silence_during_warm_up_does_not_make_a_learner_lost(caplog):
+    """A restarted syncer counts every learner as heard when it restores; its compiles (warm_up) may outlast the
+    heartbeat time-out: after warm_up the learners count as heard again, none is lost."""
+    s = Syncer(init(), learners=["a"], heartbeat_timeout_s=5.0)
+    s.heartbeat("a", now=time.monotonic() - 60.0)  # heard a minute ago, then the syncer compiled
+    s.warm_up()
+    s.tick()
+    assert s.lost == [] and s.live() == ("a",)
+    s.tick(now=time.monotonic() + 6.0)  # silent for longer than the time-out once serving: lost
+    assert [n for n, _ in s.lost] == ["a"]
+
+
+def test_a_quorum_fraction_follows_the_live_membership():
+    s = Syncer(init(), learners=["a", "b", "c", "d"], quorum_fraction=0.5)
+    assert s._quorum() == 2
+    for n in ("e", "f"):
+        s.register(n)
+    assert s._quorum() == 3  # ceil(0.5 x 6)
+    s.leave("f")
+    s.leave("e")
+    s.leave("d")
+    assert s._quorum() == 2  # ceil(0.5 x 3)
+    s.submit(message(s, "a", 0, 0, 1.0, seed=1))
+    assert s.versions() == [0] and [r.learner for r in s.submit(message(s, "b", 0, 0, 1.0, seed=2))] == ["a", "b"]
+    for bad in ({"quorum_fraction": 0.0}, {"quorum_fraction": 1.5}, {"quorum_fraction": 0.5, "min_quorum": 2}):
+        with pytest.raises(ValueError, match="quorum_fraction"):
+            Syncer(init(), learners=["a", "b"], **bad)

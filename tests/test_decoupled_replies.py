@@ -148,7 +148,7 @@ def test_the_reply_codec_state_is_checkpointed(tmp_path):
     s = Syncer(params0, learners=["a"], outer=optax.sgd(1.0), reply_compressor=cj.e3m0())
     for k in range(2):
         delta = np.concatenate([np.ravel(v) * 0.013 * (k + 1) for v in s.fragment_values(0)]).astype(np.float32)
-        h = Header("a", 0, k, 8.0, k, (delta.shape,), ("<f4",), delta.nbytes)
+        h = Header("a", 0, k, 8.0, k, (delta.shape,), ("<f4",), delta.nbytes, k + 1)
         assert s.submit(Contribution(h, (delta,)))[0].update is not None
     s.save(tmp_path, 1)
     t = Syncer(params0, learners=["a"], outer=optax.sgd(1.0), reply_compressor=cj.e3m0())
@@ -202,7 +202,7 @@ def test_after_warm_up_rounds_of_any_size_and_compressed_replies_compile_nothing
                 size = s.payload_spec(p)[0].shape
                 for name in group:
                     delta = np.full(size, 0.01 * (k + 1), np.float32)
-                    h = Header(name, p, s.versions()[p], 8.0, k, (size,), ("<f4",), delta.nbytes)
+                    h = Header(name, p, s.versions()[p], 8.0, k, (size,), ("<f4",), delta.nbytes, k + 1)
                     replies = s.submit(Contribution(h, (delta,)))
                 assert len(replies) == len(group) and all(r.update is not None for r in replies)
     assert s.versions() == [4, 4] and not s.refused
@@ -257,3 +257,21 @@ def test_a_contribution_refused_one_merge_late_gets_the_last_update_and_its_lear
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
     size = sum(v.size for v in s.fragment_values(0))
     assert s.reply_bytes == [2 * 2 * size]  # a's update and b's refusal: two bfloat16 messages
+
+
+def test_a_contributor_merged_one_version_late_gets_the_whole_values_and_a_fresh_one_the_update():
+    """Quorum 1, max_staleness 1: a's contribution (from version 0) merges alone into version 1; b's, also from
+    version 0, merges alone into version 2 with staleness 1.  Its anchor is two merges behind, so the update from
+    1 to 2 would not bring it there: its reply carries the whole values, bit-identical to the syncer's."""
+    params0 = init_params()
+    s = Syncer(params0, learners=["a", "b"], outer=optax.sgd(1.0), min_quorum=1, max_staleness=1,
+               reply_compressor=cj.cast(jnp.bfloat16))
+    size = s.payload_spec(0)[0].shape
+    delta = np.full(size, 0.01, np.float32)
+    (fresh,) = s.submit(Contribution(Header("a", 0, 0, 8.0, 1, (size,), ("<f4",), delta.nbytes, 1), (delta,)))
+    (late,) = s.submit(Contribution(Header("b", 0, 0, 8.0, 1, (size,), ("<f4",), delta.nbytes, 1), (delta,)))
+    assert s.versions() == [2] and fresh.accepted and late.accepted
+    assert fresh.update is not None and fresh.values is None
+    assert late.update is None and late.values is not None
+    for x, y in zip(late.values, s.fragment_values(0)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

@@ -3,6 +3,7 @@ refusals that leave the model untouched, and checkpoints that restore bit-identi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -15,6 +16,7 @@ from compjax.decoupled import Contribution, Header, Incoming, Syncer
 
 SHAPES = {"a": (3, 2), "b": (4,), "c": (2, 2)}
 NAMES = ["x", "y", "z"]
+_SEQ = itertools.count(1)  # every contribution built here is a new one: its sequence number is above all before
 
 
 def init():
@@ -31,7 +33,8 @@ def message(syncer, name, p, base, tokens, seed, **changes):
     values = (np.concatenate([rng.normal(size=x.shape).astype(np.float32).ravel()
                               for x in syncer.fragment_values(p)]),)
     fields = {"learner": name, "fragment": p, "base_version": base, "tokens": tokens, "step": 1,
-                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0}
+                  "shapes": tuple(v.shape for v in values), "dtypes": tuple(v.dtype.str for v in values), "payload_bytes": 0,
+              "seq": next(_SEQ)}
     fields.update(changes)
     return Contribution(Header(**fields), values)
 
@@ -171,6 +174,7 @@ def bad_cases():
         "base version not an integer": (lambda s: message(s, "x", 0, "1", 1.0, 1), "malformed header", True),
         "shapes not a sequence": (lambda s: message(s, "x", 0, 1, 1.0, 1, shapes=7), "malformed header", True),
         "future version": (lambda s: message(s, "x", 0, 5, 1.0, 1), "does not exist", True),
+        "negative base version": (lambda s: message(s, "x", 0, -1, 1.0, 1), "does not exist", True),
         "stale": (lambda s: message(s, "x", 0, 0, 1.0, 1), "stale", True),
         "arrays' dtype differs from the header": (
             lambda s: Contribution(message(s, "x", 0, 1, 1.0, 1).header, f64(message(s, "x", 0, 1, 1.0, 1).values)),
@@ -230,6 +234,43 @@ def test_a_failed_receive_is_a_refusal():
     assert "peer went away" in reply.reason and snapshot(s) == old and s.versions() == [0]
 
 
+def test_a_negative_base_version_is_refused_even_when_the_staleness_bound_would_cover_it():
+    """max_staleness 3 at version 0: base version -1 would read as staleness 1; it names no version, so it is refused."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1, max_staleness=3)
+    old = snapshot(s)
+    (reply,) = s.submit(message(s, "x", 0, -1, 1.0, seed=1))
+    assert not reply.accepted and "does not exist" in reply.reason
+    assert snapshot(s) == old and s.versions() == [0] and not s.merges
+
+
+@pytest.mark.parametrize("merged_first", [True, False], ids=["after its merge", "in its open round"])
+def test_a_replayed_contribution_is_refused_at_max_staleness_3_and_nothing_merged(merged_first, caplog):
+    """The same contribution submitted again (same header, same sequence number) is refused as a replay, whether
+    its first copy was merged (staleness 1 <= 3 would admit it) or still waits in its round; so is an older one."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1 if merged_first else 2, max_staleness=3)
+    first = message(s, "x", 0, 0, 1.0, seed=1)
+    older = message(s, "x", 0, 0, 1.0, seed=2, seq=first.header.seq - 1)
+    s.submit(first)
+    assert s.versions() == ([1] if merged_first else [0]) and s.last_seqs()["x"] == [first.header.seq]
+    old, merges = snapshot(s), list(s.merges)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.submit(first) + s.submit(older)
+    assert [r.accepted for r in replies] == [False, False] and all("replayed" in r.reason for r in replies)
+    assert [why[:8] for _, _, why in s.refused] == ["replayed"] * 2 and caplog.text.count("replayed") == 2
+    assert snapshot(s) == old and s.merges == merges
+    # The next number is taken; the round (if open) completes with x's first copy only.
+    s.submit(message(s, "y", 0, 0, 1.0, seed=3))
+    assert s.merges[-1][2] == (("y",) if merged_first else ("x", "y"))
+
+
+def test_a_learner_that_registers_again_numbers_its_contributions_after_the_last_taken():
+    s = Syncer(init(), learners=NAMES, min_quorum=1)
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1, seq=7))
+    assert s.register("x").seqs == (7,) and s.register("w").seqs == (0,) and s.start().seqs == ()
+    (reply,) = s.submit(message(s, "x", 0, 1, 1.0, seed=2, seq=8))
+    assert reply.accepted and s.last_seqs()["x"] == [7 + 1]
+
+
 def test_a_second_contribution_to_one_round_is_refused():
     s = Syncer(init(), learners=NAMES)
     s.submit(message(s, "x", 0, 0, 1.0, seed=1))
@@ -264,7 +305,7 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
     s.save(tmp_path / "ckpt", step=4)
     fresh = Syncer(init(), learners=["x", "y", "z"], fragments=2, min_quorum=2)
     assert fresh.restore(tmp_path / "ckpt") == 4
-    assert snapshot(fresh) == snapshot(s)
+    assert snapshot(fresh) == snapshot(s) and fresh.last_seqs() == s.last_seqs()
     assert fresh.versions() == [2, 2] and fresh.last_merged() == s.last_merged()
     assert fresh.last_merged() == {"x": [2, 2], "y": [2, 2], "z": [-1, -1]}
     run(s, 4, 6)  # the outer momentum came back too: the next merges agree bit for bit
@@ -272,3 +313,81 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
     assert snapshot(fresh) == snapshot(s)
     with pytest.raises(ValueError, match="learners"):
         Syncer(init(), learners=["x", "y", "w"], fragments=2).restore(tmp_path / "ckpt")
+
+
+# --- bounded influence -------------------------------------------------------------------------------------
+
+
+def scaled(s, name, base, value, tokens=1.0, p=0):
+    """A contribution to fragment ``p`` whose outer gradient is ``value`` everywhere."""
+    m = message(s, name, p, base, tokens, seed=0)
+    return Contribution(m.header, tuple(np.full(v.shape, value, v.dtype) for v in m.values))
+
+
+def bounded_syncer(**kwargs):
+    """Quorum 1, DiLoCo's outer optimizer, x declared 64 tokens per contribution; two merges of ordinary
+    contributions (norms about 3: the fragment's reference) and a non-zero outer momentum."""
+    s = Syncer(init(), learners=NAMES, min_quorum=1, max_staleness=3, **kwargs)
+    s.register("x", max_tokens=64.0)
+    for v in range(2):
+        assert s.submit(message(s, "y", 0, v, 8.0, seed=v))[0].accepted
+    return s
+
+
+@pytest.mark.parametrize("case, word", [
+    (lambda s: scaled(s, "x", 2, 1e30), "norm"),
+    (lambda s: scaled(s, "x", 2, 3e38, tokens=1e30), "above the 64.0 per contribution"),
+    (lambda s: message(s, "x", 0, 2, 64.5, seed=5), "above the 64.0 per contribution"),
+    (lambda s: message(s, "z", 0, 2, 1e6 + 1, seed=5), "above the 1000000.0 per contribution"),
+], ids=["outer gradient 1e30", "3e38 with tokens 1e30", "tokens above the declared cap",
+        "tokens above the syncer's max_tokens"])
+def test_a_contribution_that_would_dominate_the_merge_is_refused_and_the_model_is_bit_identical(case, word, caplog):
+    s = bounded_syncer(max_tokens=1e6)
+    old, merges = snapshot(s), list(s.merges)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        (reply,) = s.submit(case(s))
+    assert not reply.accepted and word in reply.reason and word in caplog.text
+    assert snapshot(s) == old and s.merges == merges
+    # At the cap, and at 9 times the reference norm, a contribution is merged.
+    ref = np.linalg.norm(np.concatenate([np.ravel(v) for v in message(s, "y", 0, 0, 1.0, seed=0).values]))
+    assert s.submit(message(s, "x", 0, 2, 64.0, seed=6))[0].accepted
+    m = message(s, "z", 0, 3, 1.0, seed=7)
+    nine = Contribution(m.header, tuple(v * (9 * ref / np.linalg.norm(v)) for v in m.values))
+    assert s.submit(nine)[0].accepted and s.versions() == [4]
+
+
+@pytest.mark.parametrize("outer, value", [(None, 3e38), (optax.adam(0.1), 1e20)],
+                         ids=["values: Nesterov overflows", "state only: Adam's second moment overflows"])
+def test_a_merge_whose_result_would_not_be_finite_is_refused_and_the_model_kept(outer, value, caplog):
+    """No norm reference yet (the fragment's first merge): a finite outer gradient accepted into its round, whose
+    merge is not finite: 3e38 overflows DiLoCo's Nesterov step (the values); 1e20 squared overflows Adam's second
+    moment while its step, m / sqrt(inf), leaves the values finite (the state).  The round is refused; the model,
+    outer state and version kept."""
+    s = Syncer(init(), learners=NAMES, min_quorum=2, outer=outer)
+    s.submit(scaled(s, "x", 0, value))
+    old = snapshot(s)
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        replies = s.submit(scaled(s, "y", 0, value))
+    assert [(r.learner, r.accepted) for r in replies] == [("x", False), ("y", False)]
+    assert all("would not be finite" in r.reason for r in replies) and "would not be finite" in caplog.text
+    for r in replies:  # each contributor resumes from the current values
+        for a, b in zip(r.values, s.fragment_values(0)):
+            np.testing.assert_array_equal(a, b)
+    assert snapshot(s) == old and s.versions() == [0] and not s.merges and len(s.refused) == 2
+    assert s.submit(message(s, "x", 0, 0, 1.0, seed=1)) == []  # the fragment goes on: a new round opens
+    assert [r.accepted for r in s.submit(message(s, "y", 0, 0, 1.0, seed=2))] == [True, True]
+
+
+def test_token_caps_and_norm_bounds_are_checked():
+    s = Syncer(init(), learners=NAMES, max_tokens=100.0)
+    for bad in (0.0, -1.0, 101.0, float("nan"), "8"):
+        with pytest.raises(ValueError, match="max_tokens"):
+            s.register("w", max_tokens=bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Syncer(init(), learners=NAMES).register("w", max_tokens=float("inf"))
+    for kwargs in ({"max_tokens": 0.0}, {"norm_bound": 0.5}, {"norm_window": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            Syncer(init(), learners=NAMES, **kwargs)
+    off = Syncer(init(), learners=NAMES, min_quorum=1, norm_bound=None)
+    off.submit(message(off, "x", 0, 0, 1.0, seed=1))
+    assert off.submit(scaled(off, "x", 1, 1e30))[0].accepted  # the norm bound turned off: merged

@@ -247,10 +247,17 @@ def decoded_with_local_state():
     return optax.chain(cj.identity(skip_nonfinite=False), optax.scale_by_schedule(lambda n: n + 1.0))
 
 
+def decoded_slightly_off():
+    """identity, then a scale of 1 + 1e-3 per step: the syncer's decoding (a fresh count) is off by 1e-3 relative
+    from the second update on, about 3e-5 on these outer gradients: far above float rounding, far below 1e-2."""
+    return optax.chain(cj.identity(skip_nonfinite=False), optax.scale_by_schedule(lambda n: 1.0 + 1e-3 * n))
+
+
 @pytest.mark.parametrize("make, words", [
     (uncaptured_bytes, ["_State", "bytes"]),
     (decoded_with_local_state, ["chain(IdentityState, ScaleByScheduleState)", "decoding"]),
-], ids=["bytes", "decoding"])
+    (decoded_slightly_off, ["chain(IdentityState, ScaleByScheduleState)", "decoding"]),
+], ids=["bytes", "decoding", "decoding off by 1e-3"])
 def test_a_compressor_whose_message_cannot_travel_is_refused_by_the_learner(make, words):
     with pytest.raises(ValueError, match="compressor") as e:
         Learner("a", noisy_step, init(), (), InProcessTransport(["a"]), sync_every=1, compressor=make())

@@ -66,6 +66,7 @@ class LearnerStats:
       refusals: ``(fragment, reason)`` of every refusal the syncer answered.
       step_seconds: wall seconds inside the training step (results awaited).
       wait_seconds: wall seconds spent blocked on the syncer's replies.
+      abandoned: per fragment, the sends given up without a reply (``late_reply="drop"``).
     """
 
     bytes_sent: list[int]
@@ -74,6 +75,7 @@ class LearnerStats:
     refusals: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     step_seconds: float = 0.0
     wait_seconds: float = 0.0
+    abandoned: list[int] = dataclasses.field(default_factory=list)
 
 
 class Learner:
@@ -124,7 +126,13 @@ class Learner:
     waits for that reply first (``late_reply="wait"``), or (``"defer"``) goes on
     with its inner steps and sends the fragment right after the reply is mixed
     in, its outer gradient and its tokens then covering the extra steps (the
-    learner never blocks on the syncer; the merge weights count the tokens).  A refusal of a stale contribution carries the
+    learner never blocks on the syncer; the merge weights count the tokens), or
+    (``"drop"``) defers likewise until the reply is ``reply_timeout_s`` late, then
+    gives the send up (a ``WARNING``, :attr:`LearnerStats.abandoned`, the
+    transport's :meth:`~compjax.decoupled.Transport.abandon` lets its arrays go)
+    and sends the fragment anew: with the syncer down the learner trains on,
+    holding at most one unanswered send per fragment, and :meth:`finish` gives up
+    the last ones after ``reply_timeout_s`` instead of raising.  A refusal of a stale contribution carries the
     current global values and is mixed in the same way; other refusals are
     recorded in :attr:`stats` and logged.
 
@@ -159,7 +167,9 @@ class Learner:
         ``wait_for_merge``).
       wait_for_merge: block after each send until the merged fragment comes back.
       late_reply: when a fragment is due again before its previous reply came:
-        ``"wait"`` (block for it) or ``"defer"`` (train on; send once it came).
+        ``"wait"`` (block for it), ``"defer"`` (train on; send once it came) or ``"drop"``
+        (train on; give the send up once ``reply_timeout_s`` late and send anew; needs
+        ``reply_timeout_s``).
       reply_timeout_s: the longest wait for one reply, > 0, or None (forever).
       worker_index: folded into the compressor's PRNG keys, an integer in [0, 2**31);
         default :func:`default_worker_index` of ``name`` (distinct names draw differently).
@@ -167,6 +177,10 @@ class Learner:
         and versions), or None to begin from ``params`` at version 0.
       reply_compressor: the syncer's ``reply_compressor`` (the same compressor), or None when the
         syncer sends whole values (a reply with an update is then dropped with a warning).
+      max_tokens: the token cap this learner declared to the syncer (:meth:`Syncer.register
+        <compjax.decoupled.Syncer.register>`'s ``max_tokens``), > 0, or None: a contribution's
+        tokens are clipped to it (a contribution that covers more steps, e.g. a deferred one,
+        weighs as much as the cap, never more: the syncer would refuse it).
 
     Attributes:
       params: the current parameters (the pytree ``train_step`` moves).
@@ -222,14 +236,19 @@ class Learner:
         worker_index: int | None = None,
         start: Start | None = None,
         reply_compressor: optax.GradientTransformation | None = None,
+        max_tokens: float | None = None,
     ):
         check_range("sync_every", sync_every, 1, None, integer=True, static=True)
         check_range("fragments", fragments, 1, None, integer=True, static=True)
         check_range("alpha", alpha, 0.0, 1.0)
-        if late_reply not in ("wait", "defer"):
-            raise ValueError(f"late_reply must be 'wait' or 'defer', got {late_reply!r}")
+        if late_reply not in ("wait", "defer", "drop"):
+            raise ValueError(f"late_reply must be 'wait', 'defer' or 'drop', got {late_reply!r}")
+        if late_reply == "drop" and reply_timeout_s is None:
+            raise ValueError("late_reply='drop' needs reply_timeout_s (how late a reply is given up), got None")
         if reply_timeout_s is not None:
             check_range("reply_timeout_s", reply_timeout_s, 0.0, None, lo_open=True)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
         index = default_worker_index(name) if worker_index is None else worker_index
         check_range("worker_index", index, 0, 2**31 - 1, integer=True, static=True)
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -248,7 +267,9 @@ class Learner:
         self._H = int(sync_every)
         self._alpha = float(alpha)
         self._wait = bool(wait_for_merge)
-        self._defer = late_reply == "defer"
+        self._defer = late_reply in ("defer", "drop")
+        self._drop = late_reply == "drop"
+        self._sent_at: dict[int, float] = {}  # fragment -> time.monotonic() of its unanswered send
         self._deferred: set[int] = set()  # fragments due while their previous reply was still out
         self._timeout = reply_timeout_s
         self._index = fragment_assignment(params, int(fragments))
@@ -267,10 +288,12 @@ class Learner:
                 wire.check_capturable(self._tx, comm, wire.like_of(a))
                 checked.add(wire.like_of(a))
         self._reply_tx = reply_compressor
+        self.max_tokens = None if max_tokens is None else float(max_tokens)
         if reply_compressor is not None:
             self._reply_apply = [wire.applier(reply_compressor, wire.like_of(a)) for a in self._anchor]
             self._reply_spec = [wire.payload_spec(reply_compressor, wire.like_of(a)) for a in self._anchor]
         self._version = [0] * len(self._index)
+        self._seq = [0] * len(self._index)  # per fragment, the sequence number of the last contribution sent
         if start is not None:
             self._begin_at(start)
         self._tokens = [0.0] * len(self._index)
@@ -278,7 +301,8 @@ class Learner:
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{name}")
         self._sends: list[concurrent.futures.Future] = []
         P = len(self._index)
-        self.stats = LearnerStats(bytes_sent=[0] * P, sends=[0] * P, delays=[[] for _ in range(P)])
+        self.stats = LearnerStats(bytes_sent=[0] * P, sends=[0] * P, delays=[[] for _ in range(P)],
+                                  abandoned=[0] * P)
 
     @property
     def fragments(self) -> int:
@@ -323,6 +347,9 @@ class Learner:
     def _begin_at(self, start: Start) -> None:
         if not isinstance(start, Start) or len(start.values) != self.fragments or len(start.versions) != self.fragments:
             raise ValueError(f"start must be a Start with {self.fragments} fragments' values and versions, got {start!r}")
+        if start.seqs and (len(start.seqs) != self.fragments or not all(
+                isinstance(q, (int, np.integer)) and not isinstance(q, bool) and q >= 0 for q in start.seqs)):
+            raise ValueError(f"start: seqs must be empty or {self.fragments} integers >= 0, got {start.seqs!r}")
         leaves, treedef = jax.tree.flatten(self.params)
         for p, (values, version) in enumerate(zip(start.values, start.versions)):
             if len(values) != len(self._anchor[p]) or any(
@@ -332,6 +359,8 @@ class Learner:
                 raise ValueError(f"start: fragment {p}'s version must be an integer >= 0, got {version!r}")
             self._anchor[p] = [jnp.asarray(v, dtype=a.dtype) for v, a in zip(values, self._anchor[p])]
             self._version[p] = int(version)
+            if start.seqs:  # a rejoin: number the next contributions after the last the syncer took
+                self._seq[p] = max(self._seq[p], int(start.seqs[p]))
             for i, g in zip(self._index[p], self._anchor[p]):
                 leaves[i] = jnp.asarray(g).astype(jnp.asarray(leaves[i]).dtype)
         self.params = jax.tree.unflatten(treedef, leaves)
@@ -362,6 +391,8 @@ class Learner:
         self._tokens = [t + float(tokens) for t in self._tokens]
         due = self.due(self.count)
         for p in due:
+            if p in self._outstanding and self._drop and time.monotonic() - self._sent_at[p] > self._timeout:
+                self._give_up([p])  # the syncer is down or lost it: send anew below
             if p in self._outstanding and self._defer:  # sent once its reply is mixed in (_send_deferred)
                 self._deferred.add(p)
                 continue
@@ -377,13 +408,29 @@ class Learner:
         """Send the deferred fragments, wait for the sends in flight and their replies (mixed in), stop the sender."""
         self._send_deferred()
         while self._outstanding:
-            self._await_reply()
+            try:
+                self._await_reply()
+            except TimeoutError:
+                if not self._drop:
+                    raise
+                self._give_up(sorted(self._outstanding))
             self._send_deferred()
         for f in self._sends:
             f.result()
         self._sender.shutdown(wait=True)
 
     # --- sending ------------------------------------------------------------------------------------
+
+    def _give_up(self, fragments: list[int]) -> None:
+        """Stop waiting for the replies of ``fragments``' sends (``late_reply="drop"``): logged, counted, let go."""
+        for p in fragments:
+            if self._outstanding.pop(p, None) is None:
+                continue
+            self._deferred.discard(p)
+            self.stats.abandoned[p] += 1
+            logger.warning("learner %r: no reply for fragment %d within %s s: the send is given up, training goes on",
+                           self.name, p, self._timeout)
+            self._transport.abandon(self.name, p)
 
     def _check_sends(self) -> None:
         """Raise the error of a send that failed on the sender thread; forget the sends that are done."""
@@ -400,15 +447,18 @@ class Learner:
         leaves = jax.tree.leaves(self.params)
         delta = self._delta(self._anchor[p], [leaves[i] for i in self._index[p]])
         _, self._comm[p], payload, skipped = self._encode(delta, self._comm[p])  # dispatched: computed asynchronously
-        job = self._sender.submit(self._ship, p, self._version[p], self._tokens[p], self.count, payload, skipped,
-                                  self._comm[p])
+        self._seq[p] += 1
+        tokens = self._tokens[p] if self.max_tokens is None else min(self._tokens[p], self.max_tokens)
+        job = self._sender.submit(self._ship, p, self._version[p], tokens, self.count, payload, skipped,
+                                  self._comm[p], self._seq[p])
         self._tokens[p] = 0.0
         self._outstanding[p] = self.count
+        self._sent_at[p] = time.monotonic()
         self.stats.sends[p] += 1
         self._sends.append(job)
 
     def _ship(self, p: int, base_version: int, tokens: float, step: int, payload: tuple, skipped: Any,
-              comm_state: Any) -> None:
+              comm_state: Any, seq: int) -> None:
         """On the sender thread: wait for the payload arrays, count their bytes, hand them to the transport."""
         if bool(skipped):  # the guard zeroed the output; the payload encodes the residual: send zeros' message
             zeros = [jnp.zeros(a.shape, a.dtype) for a in self._anchor[p]]
@@ -416,7 +466,7 @@ class Learner:
         values = tuple(np.asarray(x) for x in payload)
         nbytes = message_bytes(comm_state)
         header = Header(self.name, p, base_version, tokens, step, tuple(v.shape for v in values),
-                        tuple(v.dtype.str for v in values), nbytes)
+                        tuple(v.dtype.str for v in values), nbytes, seq)
         self.stats.bytes_sent[p] += sum(int(v.nbytes) for v in values)  # written by this thread only
         self._transport.send(Contribution(header, values))
 

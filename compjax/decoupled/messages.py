@@ -60,6 +60,10 @@ class Header:
       dtypes: NumPy dtype string of each array (``np.dtype(d).str``, e.g. ``'<u4'``).
       payload_bytes: the bytes the compressor counted for the message (:func:`message_bytes`);
         equal to the arrays' bytes.
+      seq: the learner's sequence number of its contributions to this fragment, an integer >= 1,
+        strictly increasing: one more than its previous one (the first is one more than the
+        :class:`Start`'s ``seqs`` entry it began from).  The syncer refuses a contribution whose
+        number is at or below the last it took from that learner for the fragment (a replay).
     """
 
     learner: str
@@ -70,6 +74,7 @@ class Header:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     payload_bytes: int
+    seq: int
 
     def array_bytes(self) -> int:
         """Bytes the declared arrays would take in memory (from ``shapes`` and ``dtypes`` alone).
@@ -147,7 +152,12 @@ class Start:
     Attributes:
       values: per fragment, its global values (one NumPy array per leaf, float32 or wider).
       versions: per fragment, the number of merges made of it.
+      seqs: per fragment, the last sequence number (:attr:`Header.seq`) the syncer took from the
+        learner it was made for (0: none yet); empty when made for no learner (read as zeros).
+        A learner that rejoins under its identity (a restart) numbers its next contributions
+        from there, so none of them reads as a replay.
     """
 
     values: tuple[tuple[np.ndarray, ...], ...]
     versions: tuple[int, ...]
+    seqs: tuple[int, ...] = ()

@@ -17,6 +17,14 @@ name.  Control messages are small JSON frames:
 * ``reply`` (syncer -> learner): a :class:`~compjax.decoupled.Reply` without its arrays, plus the
   transfer id under which the syncer offers them (``"update": true`` when they are the compressed
   update rather than the whole values).
+* ``goodbye`` (learner -> syncer, on :meth:`MultiProcessTransport.close`): a clean leave
+  (:meth:`Syncer.leave <compjax.decoupled.Syncer.leave>`).
+
+``hello`` also carries the learner's transfer address (the only one the syncer pulls its
+contributions from) and, optionally, the token cap it declares.  With keys (ZeroMQ CURVE, pyzmq's
+``zmq.auth``: see :meth:`MultiProcessTransport.for_syncer`) every connection authenticates against
+an allow-list, frames are encrypted, and a learner is named by its key; without keys the syncer
+binds only a loopback address unless told ``insecure=True``.
 
 Arrays move with ``jax.experimental.transfer``: every process runs a transfer server bound to the
 address its peers reach it at (its *advertised* host, see :class:`MultiProcessTransport`), and every
@@ -39,6 +47,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import math
 import queue
 import re
 import secrets
@@ -153,6 +162,73 @@ def _check_advertise(advertise) -> str | None:
         raise ValueError(f"advertise must be the IPv4 address other machines reach this process at "
                          f"(not 0.0.0.0), or None, got {advertise!r}")
     return advertise
+
+
+def _is_loopback(host: str) -> bool:
+    return _is_ipv4(host) and ipaddress.IPv4Address(host).is_loopback
+
+
+def _key_pair(path, name: str) -> tuple[bytes, bytes]:
+    """The (public, secret) CURVE keys of a ZeroMQ certificate with its secret (``zmq.auth.create_certificates``'s
+    ``NAME.key_secret``), Z85-encoded."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name} must be a ZeroMQ certificate file, got {path!r}: {e}") from e
+    if secret is None:
+        raise ValueError(f"{name} must hold a secret key (zmq.auth.create_certificates's NAME.key_secret), "
+                         f"got the public certificate {path!r}")
+    return public, secret
+
+
+def _public_key(path, name: str) -> bytes:
+    import zmq.auth
+
+    try:
+        return zmq.auth.load_certificate(path)[0]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name} must be a ZeroMQ certificate file, got {path!r}: {e}") from e
+
+
+def _allow_list(directory) -> dict[bytes, str]:
+    """``{public key (Z85): learner name}`` of every ``NAME.key`` certificate in ``directory``."""
+    from pathlib import Path
+
+    root = Path(directory) if isinstance(directory, (str, Path)) else None
+    if root is None or not root.is_dir():
+        raise ValueError(f"allowed_keys must be a directory of the learners' public certificates (NAME.key), "
+                         f"got {directory!r}")
+    keys = {_public_key(f, "allowed_keys"): f.stem for f in sorted(root.glob("*.key"))}
+    if not keys:
+        raise ValueError(f"allowed_keys must hold at least one learner certificate NAME.key, {root} has none")
+    return keys
+
+
+def _authenticator(ctx, allowed: dict[bytes, str]):
+    """A started ``zmq.auth`` thread that admits the CURVE clients of ``allowed`` and names each by its file."""
+    from zmq.auth.thread import ThreadAuthenticator
+    from zmq.utils import z85
+
+    class Allowed(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:  # the User-Id of the client's frames
+            return allowed[z85.encode(client_public_key)]
+
+    auth = Allowed(ctx, log=logging.getLogger("compjax.decoupled.auth"))
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_Provider(allowed))
+    return auth
+
+
+class _Provider:
+    """The allow-list for ``zmq.auth``'s CURVE callback: a key is admitted if it is listed."""
+
+    def __init__(self, allowed: dict[bytes, str]):
+        self.allowed = dict(allowed)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
 
 
 def _specs(shapes, dtypes) -> list:
@@ -281,12 +357,31 @@ class MultiProcessTransport(Transport):
     """
 
     def __init__(self, *, role: str, address: str, name: str | None, heartbeat_s: float, pull_timeout_s: float,
-                 advertise: str | None = None):
+                 advertise: str | None = None, max_tokens: float | None = None, key_file=None,
+                 allowed_keys=None, server_key=None, insecure: bool = False, takeover_after_s: float = 5.0):
         zmq = _zmq()
         host, port = parse_endpoint(address, bind=role == "syncer")
         advertise = _check_advertise(advertise)
         check_range("heartbeat_s", heartbeat_s, 0.0, None, lo_open=True)
         check_range("pull_timeout_s", pull_timeout_s, 0.0, None, lo_open=True)
+        check_range("takeover_after_s", takeover_after_s, 0.0, None, lo_open=True)
+        curve = None
+        if role == "syncer":
+            if (key_file is None) != (allowed_keys is None):
+                raise ValueError("key_file and allowed_keys go together (the syncer's key pair and the learners' "
+                                 f"public certificates), got key_file={key_file!r}, allowed_keys={allowed_keys!r}")
+            if key_file is None and not insecure and not _is_loopback(host):
+                raise ValueError(f"address {address!r} is not a loopback address: anyone who reaches it could "
+                                 "contribute; pass key_file= and allowed_keys= (ZeroMQ CURVE), or insecure=True")
+            if key_file is not None:
+                curve = (*_key_pair(key_file, "key_file"), _allow_list(allowed_keys))
+        else:
+            if (key_file is None) != (server_key is None):
+                raise ValueError("key_file and server_key go together (the learner's key pair and the syncer's "
+                                 f"public certificate), got key_file={key_file!r}, server_key={server_key!r}")
+            if key_file is not None:
+                curve = (*_key_pair(key_file, "key_file"), _public_key(server_key, "server_key"))
+        self.secure = curve is not None
         if advertise is None:
             if role == "syncer":
                 advertise = local_address_towards("192.0.2.1") if host in ("*", "0.0.0.0") else host
@@ -296,20 +391,34 @@ class MultiProcessTransport(Transport):
         self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
         self.transfer_address = self._server.address()
         self.role, self.name = role, name
+        self._max_tokens = None if max_tokens is None else float(max_tokens)  # a learner's declared token cap
         self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
         self._ctx = zmq.Context()
         self._zmq = zmq
         self._closed = threading.Event()
         self.id = secrets.token_hex(8)  # this endpoint's id (the syncer's is sent in every heartbeat)
+        self._curve = curve
+        self._takeover_after = float(takeover_after_s)
         if role == "syncer":
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a learner restarted under its name takes its place
+            self._auth = None
+            if curve is not None:  # every connection authenticated against the allow-list; frames carry User-Id
+                self._auth = _authenticator(self._ctx, curve[2])
+                self._sock.curve_publickey, self._sock.curve_secretkey = curve[0], curve[1]
+                self._sock.curve_server = True
+                self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a dead connection is dropped within seconds
+                self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            else:  # a learner restarted under its name takes its place (the name is its identity)
+                self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._routes: dict[str, bytes] = {}  # (CURVE) learner -> the connection it said hello on
+            self._heard: dict[str, float] = {}  # (CURVE) learner -> when that connection last spoke
             self._sock.bind(address)
             self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._syncer = None
             self._record: _Record | None = None
             self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
+            self._addresses: dict[str, str] = {}  # learner -> the transfer address of its last hello
         else:
             self.address = address
             self._out: queue.Queue = queue.Queue()
@@ -329,8 +438,19 @@ class MultiProcessTransport(Transport):
 
     @classmethod
     def for_syncer(cls, address: str = "tcp://127.0.0.1:0", *, pull_timeout_s: float = 60.0,
-                   advertise: str | None = None) -> MultiProcessTransport:
+                   advertise: str | None = None, key_file=None, allowed_keys=None, insecure: bool = False,
+                   takeover_after_s: float = 5.0) -> MultiProcessTransport:
         """The syncer's side, bound to ``address``.
+
+        **Membership** (ZeroMQ CURVE, through pyzmq's ``zmq.auth``): with ``key_file`` and
+        ``allowed_keys`` every connection must authenticate with a key of the allow-list (others
+        never get past the handshake), every frame is encrypted, and a learner's name is the one
+        its key is listed under: the ``User-Id`` ZeroMQ attaches to its frames, not a name the
+        client picks.  A learner's frames count only on the connection it said ``hello`` on; a
+        second connection of the same key is refused while the first spoke within
+        ``takeover_after_s`` (a restarted learner gets in once its old connection is silent).
+        Without keys nothing is authenticated: allowed only on a loopback address, or with
+        ``insecure=True``.
 
         Args:
           address: a ZeroMQ TCP endpoint ``tcp://HOST:PORT``: HOST an IPv4 address of this machine,
@@ -340,16 +460,27 @@ class MultiProcessTransport(Transport):
           advertise: the IPv4 address the learners reach this machine at, where the syncer's
             transfer server binds (None: HOST, or for ``*`` / ``0.0.0.0`` this machine's address on
             its default route, 127.0.0.1 without one).
+          key_file: the syncer's ZeroMQ certificate with its secret key (the ``NAME.key_secret``
+            file of ``zmq.auth.create_certificates``), or None.
+          allowed_keys: a directory of the learners' public certificates, ``NAME.key`` for learner
+            ``NAME`` (the allow-list), or None; given with ``key_file``.
+          insecure: bind a non-loopback address without keys (anyone who reaches it may join).
+          takeover_after_s: seconds a learner's connection must have been silent before another
+            connection of its key may say ``hello`` in its place, > 0.
 
         Raises:
-          ValueError: a malformed ``address``, or an ``advertise`` this machine cannot bind.
+          ValueError: a malformed ``address``, an ``advertise`` this machine cannot bind, one of
+            ``key_file`` and ``allowed_keys`` without the other (or not a certificate / a directory
+            of them), or a non-loopback ``address`` without keys and without ``insecure=True``.
         """
         return cls(role="syncer", address=address, name=None, heartbeat_s=1.0, pull_timeout_s=pull_timeout_s,
-                   advertise=advertise)
+                   advertise=advertise, key_file=key_file, allowed_keys=allowed_keys, insecure=insecure,
+                   takeover_after_s=takeover_after_s)
 
     @classmethod
     def for_learner(cls, name: str, address: str, *, heartbeat_s: float = 1.0,
-                    pull_timeout_s: float = 60.0, advertise: str | None = None) -> MultiProcessTransport:
+                    pull_timeout_s: float = 60.0, advertise: str | None = None,
+                    max_tokens: float | None = None, key_file=None, server_key=None) -> MultiProcessTransport:
         """Learner ``name``'s side, connected to the syncer at ``address``; call :meth:`join` next.
 
         Args:
@@ -362,28 +493,49 @@ class MultiProcessTransport(Transport):
           advertise: the IPv4 address the syncer reaches this machine at, where the learner's
             transfer server binds (None: the local address of this machine's route towards HOST,
             127.0.0.1 for a syncer on this machine).
+          max_tokens: the token cap declared in every ``hello`` (the syncer's :meth:`Syncer.register
+            <compjax.decoupled.Syncer.register>`), > 0, or None; build the :class:`Learner` with the
+            same ``max_tokens``.  A declaration the syncer refuses gets no welcome (logged there).
+          key_file: this learner's ZeroMQ certificate with its secret key (``NAME.key_secret``; its
+            public half ``NAME.key`` in the syncer's ``allowed_keys``, NAME this learner's
+            ``name``), or None (a syncer without keys).
+          server_key: the syncer's public certificate (its ``.key`` file), given with ``key_file``.
 
         Raises:
-          ValueError: an empty ``name``, a malformed ``address``, or an ``advertise`` this machine
-            cannot bind.
+          ValueError: an empty ``name``, a malformed ``address``, an ``advertise`` this machine
+            cannot bind, or ``max_tokens`` <= 0.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s, pull_timeout_s=pull_timeout_s,
-                   advertise=advertise)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
+        return cls(role="learner", address=address, name=name, heartbeat_s=heartbeat_s,
+                   pull_timeout_s=pull_timeout_s, advertise=advertise, max_tokens=max_tokens, key_file=key_file,
+                   server_key=server_key)
 
     def _need(self, role: str) -> None:
         if self.role != role:
             raise RuntimeError(f"this is the {self.role}'s side of the transport; that method is the {role}'s")
 
     def close(self) -> None:
-        """Stop the background thread and close the socket (offers already made stay until the process exits)."""
+        """Stop the background thread and close the socket (offers already made stay until the process exits).
+
+        A learner that joined says ``goodbye`` first (the syncer's quorum shrinks at once:
+        :meth:`Syncer.leave <compjax.decoupled.Syncer.leave>`), waiting up to 1 s for it to be sent.
+        """
+        if self.role == "learner" and self._joined and not self._closed.is_set():
+            self._say({"type": "goodbye"})
+            end = time.monotonic() + 1.0
+            while not self._out.empty() and time.monotonic() < end:
+                time.sleep(0.01)
         self._closed.set()
         if self.role == "learner":
             self._io.join(timeout=10)
             self._receiver.join(timeout=10)  # a pull in progress ends within pull_timeout_s; not waited for longer
         else:
             self._sock.close(linger=1000)  # up to 1 s for the frames still queued (the last replies)
+            if self._auth is not None:
+                self._auth.stop()
         self._ctx.term()
 
     # --- syncer side ------------------------------------------------------------------------------------
@@ -412,25 +564,53 @@ class MultiProcessTransport(Transport):
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._sock.poll(None if wait is None else int(wait * 1000)):
                 return None
-            identity, raw = self._sock.recv_multipart()[:2]
-            incoming = self._on_frame(identity, raw)
+            frames = self._sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue
+            identity, raw = frames[0].bytes, frames[1].bytes
+            user = frames[1].get("User-Id") if self.secure else None  # the name of the key that authenticated
+            incoming = self._on_frame(identity, raw, user)
             if incoming is not None:
                 return incoming
 
-    def _on_frame(self, identity: bytes, raw: bytes) -> Incoming | None:
+    def _route_of(self, name: str) -> bytes | None:
+        """The connection a learner is reached on: (CURVE) the one it said hello on, else its name."""
+        return self._routes.get(name) if self.secure else name.encode()
+
+    def _on_frame(self, identity: bytes, raw: bytes, user: str | None = None) -> Incoming | None:
         try:
             msg = json.loads(raw)
             kind = msg["type"]
         except (ValueError, KeyError, TypeError) as e:
             logger.warning("transport: dropped a malformed frame from %r: %s", identity, e)
             return None
-        name = identity.decode(errors="replace")
+        name = user if self.secure else identity.decode(errors="replace")
+        registered = not self.secure or self._routes.get(name) == identity
+        if registered and self.secure:
+            self._heard[name] = time.monotonic()
         if kind == "heartbeat":
-            if self._syncer is not None:
+            if self._syncer is not None and registered:
                 self._syncer.heartbeat(name)
             self._send_to(identity, {"type": "heartbeat", "syncer": self.id})
         elif kind == "hello":
-            self._welcome(identity, name)
+            if self.secure and not registered:
+                route, heard = self._routes.get(name), self._heard.get(name, -math.inf)
+                if route is not None and time.monotonic() - heard < self._takeover_after:
+                    logger.warning("transport: refused a second connection of learner %r: its connection spoke "
+                                   "%.1f s ago (a take-over waits until it has been silent for %.1f s)",
+                                   name, time.monotonic() - heard, self._takeover_after)
+                    return None
+                self._routes[name], self._heard[name] = identity, time.monotonic()
+            self._welcome(identity, name, msg.get("max_tokens"), msg.get("address"))
+        elif kind == "goodbye":
+            if self._syncer is not None and registered:
+                for reply in self._syncer.leave(name):  # the rounds its leave completed
+                    self.reply(reply)
+        elif kind == "header" and not registered:
+            logger.warning("transport: dropped a header from learner %r on a connection it did not say hello on",
+                           name)
+            if isinstance(msg.get("uuid"), int):
+                self._send_to(identity, {"type": "release", "uuid": msg["uuid"]})
         elif kind == "header":
             try:
                 header, uuid, address = _header_from(msg["header"]), int(msg["uuid"]), str(msg["address"])
@@ -441,6 +621,12 @@ class MultiProcessTransport(Transport):
                 return None
             if header.learner != name:
                 logger.warning("transport: dropped a header from %r that claims to be learner %r", name, header.learner)
+                self._send_to(identity, {"type": "release", "uuid": uuid})
+                return None
+            if address != self._addresses.get(name):
+                logger.warning("transport: dropped a header from learner %r whose arrays are at %r: the syncer pulls "
+                               "only from the address it advertised in its hello (%r)", name, address,
+                               self._addresses.get(name))
                 self._send_to(identity, {"type": "release", "uuid": uuid})
                 return None
             record = self._record = _Record(identity, uuid)
@@ -464,19 +650,26 @@ class MultiProcessTransport(Transport):
             logger.warning("transport: dropped a frame of unknown type %r from %r", kind, name)
         return None
 
-    def _welcome(self, identity: bytes, name: str) -> None:
+    def _welcome(self, identity: bytes, name: str, max_tokens=None, address=None) -> None:
         if self._syncer is None:
             logger.warning("transport: hello from %r before a syncer was attached: ignored", name)
             return
+        host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not (_is_ipv4(host) and port.isdigit() and 0 < int(port) < 65536):
+            logger.warning("transport: hello from %r refused: its transfer address %r is not IPv4 HOST:PORT",
+                           name, address)
+            return
         self._unreachable.discard(name)  # a learner that says hello is alive: its transfers are pulled again
         try:
-            start = self._syncer.register(name)
+            start = self._syncer.register(name, max_tokens=max_tokens)
         except ValueError as e:
             logger.warning("transport: hello from %r refused: %s", name, e)
             return
+        self._addresses[name] = address
         flat = [x for values in start.values for x in values]
         self._send_to(identity, {
-            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "uuid": _offer(flat, self._server),
+            "type": "welcome", "syncer": self.id, "versions": list(start.versions), "seqs": list(start.seqs),
+            "uuid": _offer(flat, self._server),
             "address": self.transfer_address,
             "shapes": [[list(x.shape) for x in values] for values in start.values],
             "dtypes": [[x.dtype.str for x in values] for values in start.values]})
@@ -484,7 +677,11 @@ class MultiProcessTransport(Transport):
     def reply(self, reply: Reply) -> None:
         self._need("syncer")
         r = self._record
-        if r is not None and not reply.accepted and r.identity == reply.learner.encode() and not r.pulled:
+        route = self._route_of(reply.learner)
+        if route is None:
+            logger.info("transport: no connection of learner %r to send its reply to", reply.learner)
+            return
+        if r is not None and not reply.accepted and r.identity == route and not r.pulled:
             self._release_last()  # a header refused before its pull: the learner drops its offer now
         msg = {"type": "reply", "learner": reply.learner, "fragment": reply.fragment, "version": reply.version,
                "accepted": reply.accepted, "reason": reply.reason, "uuid": None}
@@ -493,7 +690,7 @@ class MultiProcessTransport(Transport):
             msg.update(uuid=_offer(arrays, self._server), address=self.transfer_address,
                        shapes=[list(x.shape) for x in arrays], dtypes=[x.dtype.str for x in arrays],
                        update=reply.values is None)
-        self._send_to(reply.learner.encode(), msg)
+        self._send_to(route, msg)
 
     # --- learner side -----------------------------------------------------------------------------------
 
@@ -501,7 +698,11 @@ class MultiProcessTransport(Transport):
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        if self._curve is not None:  # the key names the learner; the connection id is random (none can take it)
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+            sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(12).encode())
+        else:
+            sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.connect(self.address)
@@ -526,6 +727,12 @@ class MultiProcessTransport(Transport):
         finally:
             sock.close(linger=0)
 
+    def _hello(self) -> dict:
+        msg = {"type": "hello", "address": self.transfer_address}  # the only address the syncer will pull from
+        if self._max_tokens is not None:
+            msg["max_tokens"] = self._max_tokens
+        return msg
+
     def _say(self, msg: dict) -> None:
         self._out.put(json.dumps(msg).encode())
 
@@ -541,8 +748,11 @@ class MultiProcessTransport(Transport):
             if self._joined and msg.get("syncer") != self._syncer_id and time.monotonic() - self._hello_at > 5.0:
                 logger.warning("learner %r: the syncer restarted (id %s): rejoining", self.name, msg.get("syncer"))
                 self._hello_at = time.monotonic()
-                self._say({"type": "hello"})
+                self._say(self._hello())
         elif kind == "welcome":
+            if self._joined and msg.get("syncer") == self._syncer_id:  # the answer to a repeated hello
+                logger.info("learner %r: ignored a second welcome from syncer %s", self.name, self._syncer_id)
+                return
             self._syncer_id = msg.get("syncer")
             (self._inbox if self._joined else self._welcomes).put(msg)
         elif kind == "reply":
@@ -564,13 +774,18 @@ class MultiProcessTransport(Transport):
           TimeoutError: no welcome within ``timeout`` seconds (None: wait forever).
         """
         self._need("learner")
-        self._hello_at = time.monotonic()
-        self._say({"type": "hello"})
-        try:
-            msg = self._welcomes.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"learner {self.name!r}: no welcome from the syncer at {self.address} "
-                               f"within {timeout} s") from None
+        end = None if timeout is None else time.monotonic() + timeout
+        msg = None
+        while msg is None:  # hello again every 5 s: a refused one (e.g. an old connection still alive) is retried
+            self._hello_at = time.monotonic()
+            self._say(self._hello())
+            wait = 5.0 if end is None else min(5.0, end - time.monotonic())
+            try:
+                msg = self._welcomes.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                if end is not None and time.monotonic() >= end:
+                    raise TimeoutError(f"learner {self.name!r}: no welcome from the syncer at {self.address} "
+                                       f"within {timeout} s") from None
         self._joined = True
         return self._start_of(msg)
 
@@ -583,7 +798,7 @@ class MultiProcessTransport(Transport):
         for frag in msg["shapes"]:
             values.append(tuple(flat[:len(frag)]))
             flat = flat[len(frag):]
-        return Start(tuple(values), tuple(int(v) for v in msg["versions"]))
+        return Start(tuple(values), tuple(int(v) for v in msg["versions"]), tuple(int(v) for v in msg.get("seqs", ())))
 
     def send(self, contribution: Contribution) -> None:
         self._need("learner")
@@ -594,6 +809,19 @@ class MultiProcessTransport(Transport):
                                   tuple(np.asarray(v).dtype.str for v in contribution.values), h.fragment)
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
                    "address": self.transfer_address})
+
+    def abandon(self, learner: str, fragment: int) -> None:
+        """Let go of the offers of ``fragment``'s unanswered sends (their arrays leave the transfer server)."""
+        self._need("learner")
+        with self._offers_lock:
+            gone = [(u, o) for u, o in self._offers.items() if o[2] == int(fragment)]
+            for u, _ in gone:
+                del self._offers[u]
+        for uuid, (shapes, dtypes, _) in gone:  # pull our own offer: the transfer server lets go of the arrays
+            try:
+                _pull(self.transfer_address, uuid, shapes, dtypes, self._pull_timeout, "abandon")
+            except Exception as e:  # noqa: BLE001 - one offer left behind, logged
+                logger.info("learner %r: letting go of offer %s failed: %s", self.name, uuid, e)
 
     def _receive_loop(self) -> None:
         """Pull the arrays of each reply (and of a restarted syncer's welcome) off the training thread."""

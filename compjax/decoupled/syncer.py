@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
@@ -31,7 +32,7 @@ class _Round:
     """The contributions of one fragment waiting for their merge."""
 
     opened: float
-    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness)
+    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness, norm)
 
 
 def _accumulate(acc, decoded, w):
@@ -41,6 +42,21 @@ def _accumulate(acc, decoded, w):
 
 _ACCUMULATE = jax.jit(_accumulate)  # shared by every syncer of the process: one compile per shape
 _SUB = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
+
+
+def _norm(values) -> float:
+    """The L2 norm of a fragment's decoded outer gradient, summed in float64 on the host (no overflow)."""
+    return math.sqrt(math.fsum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in values))
+
+
+def _all_finite(tree) -> bool:
+    """Whether every floating-point entry of ``tree``'s leaves is finite (NumPy on the host: nothing compiles)."""
+    for x in jax.tree.leaves(tree):
+        x = np.asarray(x)
+        if x.dtype.kind in "fc" or jnp.issubdtype(x.dtype, jnp.floating):
+            if not np.all(np.isfinite(x.astype(np.float64))):
+                return False
+    return True
 
 
 def _outer_step(outer_tx, anchor, outer_state, mean):
@@ -107,12 +123,32 @@ class Syncer:
     Streaming DiLoCo, Douillard et al. 2025, with fragments): the mean over
     workers, then the outer optimizer.
 
+    **Bounded influence.**  No single contribution can set or overflow a merge:
+
+    * *tokens*: each learner has a cap on the tokens of one contribution, the one it
+      declared when it registered (:meth:`register`'s ``max_tokens``: its inner steps
+      between two contributions of a fragment times its batch tokens), else
+      ``max_tokens``; a declaration above ``max_tokens`` is refused, and so is a
+      contribution whose tokens exceed its learner's cap.
+    * *norm*: a contribution whose decoded outer gradient has an L2 norm (float64)
+      above ``norm_bound`` times the median of the fragment's last ``norm_window``
+      merged non-zero norms is refused (the median: a robust reference that a few
+      large contributions cannot raise; before the fragment's first merge there is no
+      reference and only the finite checks apply).
+    * *the merge*: the merged global values and the new outer optimizer state are
+      checked finite before they replace the fragment's; if any entry is not, the
+      round is refused: a ``WARNING``, each contributor's refusal (carrying the
+      current values) in :attr:`refused`, and the model, outer state and version as
+      they were.
+
     **Refusals.**  A contribution from an unknown learner, for a fragment out of
     range, whose payload arrays do not have the shapes and dtypes of the
     compressor's message for the fragment (or whose declared size is larger),
-    with tokens not positive and finite, from a version the fragment never had,
-    staler than ``max_staleness``, a second one from the same learner in one
-    round, or whose decoded value holds a non-finite entry, is refused: a
+    with tokens not positive and finite or above its learner's cap, from a version
+    the fragment never had, at or below its learner's last sequence number for
+    the fragment (a replay), staler than ``max_staleness``, a second one from the
+    same learner in one round, whose decoded value holds a non-finite entry, or
+    whose norm exceeds the norm bound, is refused: a
     ``WARNING`` on the
     ``compjax.decoupled`` logger names the learner, the fragment and the reason,
     :attr:`refused` records it, and neither the global model nor the outer state
@@ -129,7 +165,9 @@ class Syncer:
     :attr:`lost` records it, and rounds stop waiting for it: a round merges once
     ``min_quorum`` learners, or every learner not lost if fewer are left, have
     contributed; until a loss is noticed, the grace window bounds the wait.  A
-    lost learner that speaks again is counted again.
+    lost learner that speaks again is counted again.  A learner that leaves
+    cleanly (:meth:`leave`, its goodbye) is out of the live membership at once;
+    with ``quorum_fraction`` the quorum is that fraction of the live learners.
 
     Args:
       params: the initial global parameters (a pytree; every learner starts from them).
@@ -141,6 +179,9 @@ class Syncer:
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).
       min_quorum: contributions that trigger a merge, in [1, len(learners)];
         default all learners.
+      quorum_fraction: in (0, 1], or None (default): the quorum follows the live membership,
+        ``ceil(quorum_fraction x live learners)`` (joins raise it, losses and leaves lower it);
+        not with ``min_quorum``.
       grace_s: seconds a round waits for its quorum after it opened, > 0;
         None (default) waits forever.
       max_staleness: the largest staleness accepted, an integer >= 0.
@@ -150,6 +191,13 @@ class Syncer:
       reply_compressor: a compjax compressor (``axis_name=None``) for the merged updates sent
         back, or None (default) for whole float32 values; the learners must be built with the same
         one (:class:`~compjax.decoupled.Learner`'s ``reply_compressor``).
+      max_tokens: the largest tokens of one contribution, > 0: the cap of the learners listed in
+        ``learners`` and the bound on what a registering learner may declare; None (default): no
+        bound beyond the learners' own declarations.
+      norm_bound: the multiple ``c >= 1`` of the median of recent merged norms above which a
+        contribution is refused (default 10); None turns the norm bound off.
+      norm_window: how many of a fragment's last merged contribution norms the median is taken
+        over, an integer >= 1 (default 16).
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -178,7 +226,7 @@ class Syncer:
       >>> from compjax.decoupled import Syncer, Contribution, Header
       >>> s = Syncer({"w": np.ones(2, np.float32)}, learners=["a", "b"], outer=optax.sgd(1.0))
       >>> def send(name, delta, tokens):
-      ...     h = Header(name, 0, 0, tokens, 1, ((2,),), ("<f4",), 8)
+      ...     h = Header(name, 0, 0, tokens, 1, ((2,),), ("<f4",), 8, seq=1)
       ...     return s.submit(Contribution(h, (np.full(2, delta, np.float32),)))
       >>> send("a", 0.5, 1), send("b", 0.2, 3)   # the second completes the quorum: merged
       ([], [Reply(learner='a', ...), Reply(learner='b', ...)])
@@ -195,11 +243,15 @@ class Syncer:
         compressor: optax.GradientTransformation | None = None,
         outer: optax.GradientTransformation | None = None,
         min_quorum: int | None = None,
+        quorum_fraction: float | None = None,
         grace_s: float | None = None,
         max_staleness: int = 0,
         staleness_decay: float = 0.0,
         heartbeat_timeout_s: float | None = None,
         reply_compressor: optax.GradientTransformation | None = None,
+        max_tokens: float | None = None,
+        norm_bound: float | None = 10.0,
+        norm_window: int = 16,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -207,12 +259,23 @@ class Syncer:
         check_range("fragments", fragments, 1, None, integer=True, static=True)
         quorum = len(names) if min_quorum is None else min_quorum
         check_range("min_quorum", quorum, 1, len(names), integer=True, static=True)
+        if quorum_fraction is not None:
+            check_range("quorum_fraction", quorum_fraction, 0.0, 1.0, lo_open=True)
+            if min_quorum is not None:
+                raise ValueError(f"quorum_fraction and min_quorum exclude each other, got {quorum_fraction!r} and "
+                                 f"{min_quorum!r}")
+        self.quorum_fraction = None if quorum_fraction is None else float(quorum_fraction)
         if grace_s is not None:
             check_range("grace_s", grace_s, 0.0, None, lo_open=True)
         check_range("max_staleness", max_staleness, 0, None, integer=True, static=True)
         check_range("staleness_decay", staleness_decay, 0.0, None)
         if heartbeat_timeout_s is not None:
             check_range("heartbeat_timeout_s", heartbeat_timeout_s, 0.0, None, lo_open=True)
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, None, lo_open=True)
+        if norm_bound is not None:
+            check_range("norm_bound", norm_bound, 1.0, None)
+        check_range("norm_window", norm_window, 1, None, integer=True, static=True)
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -249,6 +312,11 @@ class Syncer:
                     [jnp.zeros(sh, dt) for sh, dt in like]), like)
         self._version = [0] * len(self._index)
         self._last_merged = {name: [-1] * len(self._index) for name in names}
+        self._last_seq = {name: [0] * len(self._index) for name in names}  # the last sequence number taken
+        self.max_tokens = None if max_tokens is None else float(max_tokens)
+        self._token_cap: dict[str, float | None] = dict.fromkeys(names, self.max_tokens)
+        self.norm_bound = None if norm_bound is None else float(norm_bound)
+        self._norms: list[collections.deque] = [collections.deque(maxlen=int(norm_window)) for _ in self._index]
         self._rounds: list[_Round | None] = [None] * len(self._index)
         # The mean is summed one contribution at a time, so no program depends on how many contributed
         # (or on how many learners there are: a late join compiles nothing).
@@ -261,6 +329,7 @@ class Syncer:
         self.lost: list[tuple[str, float]] = []
         self._seen: dict[str, tuple[float, float]] = {}  # learner -> its last message (monotonic, wall-clock)
         self._lost: set[str] = set()
+        self._left: set[str] = set()  # learners that said goodbye (until they register again)
 
     # --- what a learner starts from ---------------------------------------------------------------
 
@@ -303,38 +372,63 @@ class Syncer:
         with self._lock:
             return tuple(np.array(x, copy=True) for x in self._global[fragment])
 
-    def start(self) -> Start:
-        """The current global values and versions of every fragment (what a joining learner starts from)."""
-        with self._lock:
-            return Start(tuple(tuple(np.array(x, copy=True) for x in g) for g in self._global), tuple(self._version))
+    def start(self, learner: str | None = None) -> Start:
+        """The current global values and versions of every fragment (what a joining learner starts from).
 
-    def register(self, name: str, *, now: float | None = None) -> Start:
+        With ``learner`` (a known one), its ``seqs`` are the last sequence numbers taken from it.
+        """
+        with self._lock:
+            seqs = tuple(self._last_seq[learner]) if learner in self._last_seq else ()
+            return Start(tuple(tuple(np.array(x, copy=True) for x in g) for g in self._global), tuple(self._version),
+                         seqs)
+
+    def last_seqs(self) -> dict[str, list[int]]:
+        """Per learner, per fragment: the last sequence number taken from it (0: none yet)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._last_seq.items()}
+
+    def register(self, name: str, *, max_tokens: float | None = None, now: float | None = None) -> Start:
         """Add learner ``name`` if it is new (a late join); its starting point either way.
 
         A new learner may contribute from then on (its first contribution is taken from the
         versions returned here, staleness 0); ``min_quorum`` stays as it was.  Registering a
         known name changes nothing (a learner reconnecting, e.g. after a syncer restart) except
-        that it counts as a message (:meth:`heartbeat`).
+        its token cap, when it declares one, and that it counts as a message (:meth:`heartbeat`).
 
         Args:
           name: the learner's name, a non-empty string.
+          max_tokens: the most tokens one of its contributions will carry (its inner steps between
+            two contributions of a fragment times its batch tokens), > 0 and at most the syncer's
+            ``max_tokens``; None: the syncer's ``max_tokens`` (or the cap it declared before).
           now: the time in seconds (``time.monotonic()`` by default).
 
         Returns:
-          :class:`Start`: the current global values and versions.
+          :class:`Start`: the current global values and versions, and the last sequence numbers
+          taken from ``name`` (its next contributions number from there).
 
         Raises:
-          ValueError: ``name`` is not a non-empty string.
+          ValueError: ``name`` is not a non-empty string, or ``max_tokens`` is not a positive
+            finite number at most the syncer's ``max_tokens``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if max_tokens is not None:
+            check_range("max_tokens", max_tokens, 0.0, self.max_tokens, lo_open=True)
+            if not math.isfinite(max_tokens):
+                raise ValueError(f"max_tokens must be finite, got {max_tokens!r}")
         with self._lock:
+            if max_tokens is not None:
+                self._token_cap[name] = float(max_tokens)
+            elif name not in self._token_cap:
+                self._token_cap[name] = self.max_tokens
             if name not in self._last_merged:
                 self.learners = (*self.learners, name)
                 self._last_merged[name] = [-1] * self.fragments
+                self._last_seq[name] = [0] * self.fragments
                 logger.info("learner %r joined at versions %s", name, self._version)
+            self._left.discard(name)  # back after a goodbye: counted again
             self.heartbeat(name, now=now)
-            return self.start()
+            return self.start(name)
 
     def heartbeat(self, name: str, *, now: float | None = None) -> None:
         """Note a message from learner ``name`` (unknown names are ignored); a lost learner counts again."""
@@ -348,9 +442,26 @@ class Syncer:
                 logger.warning("learner %r is back after it was lost", name)
 
     def live(self) -> tuple[str, ...]:
-        """The known learners not lost."""
+        """The known learners neither lost nor gone (:meth:`leave`)."""
         with self._lock:
-            return tuple(k for k in self.learners if k not in self._lost)
+            return tuple(k for k in self.learners if k not in self._lost and k not in self._left)
+
+    def leave(self, name: str, *, now: float | None = None) -> list[Reply]:
+        """Learner ``name`` leaves cleanly (its goodbye): rounds stop waiting for it at once, no time-out.
+
+        The quorum shrinks as for a lost learner (``min_quorum``, or every learner still live
+        when fewer are left), so an open round that the others already completed merges now.  A
+        learner that registers again counts again.  Unknown names are ignored.
+
+        Returns:
+          The replies of the rounds its leave completed (:meth:`tick`'s).
+        """
+        with self._lock:
+            if name not in self._last_merged or name in self._left:
+                return []
+            self._left.add(name)
+            logger.info("learner %r left; live learners: %s", name, ", ".join(self.live()))
+            return self.tick(now=now)
 
     def global_params(self) -> Any:
         """The global model in the structure of ``params``: each synchronized leaf in its own dtype."""
@@ -388,8 +499,10 @@ class Syncer:
         Checked in this order: the learner is known; the fragment is an integer in range; the
         declared arrays are as many as the compressor's message for the fragment holds
         (:meth:`payload_spec`) and their size no larger than that message's (before anything is
-        allocated); each declared shape and dtype is the message's; the tokens are positive and finite; the base version exists; the staleness
-        is at most ``max_staleness``; the learner has not contributed to the open round already.
+        allocated); each declared shape and dtype is the message's; the tokens are positive and finite;
+        the base version exists; the sequence number is above the last one taken from this learner for
+        this fragment (else a replay, refused at any ``max_staleness``); the staleness is at most
+        ``max_staleness``; the learner has not contributed to the open round already.
         """
         with self._lock:
             try:
@@ -421,12 +534,19 @@ class Syncer:
         if not (isinstance(header.tokens, (int, float, np.number)) and math.isfinite(header.tokens)
                 and header.tokens > 0):
             return f"tokens must be positive and finite, got {header.tokens!r}"
+        cap = self._token_cap.get(header.learner)
+        if cap is not None and header.tokens > cap:
+            return f"tokens {header.tokens!r} above the {cap!r} per contribution learner {header.learner!r} declared"
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                   for v in (header.base_version, header.step, header.payload_bytes)):
-            return "malformed header: base_version, step and payload_bytes must be integers"
+                   for v in (header.base_version, header.step, header.payload_bytes, header.seq)):
+            return "malformed header: base_version, step, payload_bytes and seq must be integers"
         tau = self._version[p] - header.base_version
         if header.base_version < 0 or tau < 0:
             return f"base version {header.base_version} of fragment {p} does not exist (now {self._version[p]})"
+        last = self._last_seq[header.learner][p]
+        if header.seq <= last:
+            return (f"replayed: sequence number {header.seq} is not above {last}, the last taken from learner "
+                    f"{header.learner!r} for fragment {p}")
         if tau > self.max_staleness:
             return f"stale: staleness {tau} > max_staleness {self.max_staleness}"
         r = self._rounds[p]
@@ -466,6 +586,9 @@ class Syncer:
                 if not why:  # the outer gradient the payload encodes; never a non-finite one in the model
                     values = tuple(wire.decoder(self._tx, self._like[h.fragment])(values))
                     why = self._check_finite(values)
+                if not why:
+                    norm = _norm(values)
+                    why = self._check_norm(h.fragment, norm)
             if why:
                 return self._refuse(h, why)
             p = h.fragment
@@ -473,20 +596,25 @@ class Syncer:
             weight = float(h.tokens) * math.exp(-self.staleness_decay * tau)
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
-            self._rounds[p].entries[h.learner] = (weight, values, tau)
+            self._rounds[p].entries[h.learner] = (weight, values, tau, norm)
+            self._last_seq[h.learner][p] = int(h.seq)  # taken: the same number again is a replay
             if len(self._rounds[p].entries) >= self._quorum():
                 return self._merge_round(p, "quorum")
             return []
 
     def _quorum(self) -> int:
-        """Contributions that merge a round now: ``min_quorum``, or fewer when learners were lost."""
-        return max(1, min(self.min_quorum, len(self.learners) - len(self._lost)))
+        """Contributions that merge a round now: ``min_quorum`` (or ``quorum_fraction`` of the live learners), or
+        fewer when learners were lost or left."""
+        live = len(self.learners) - len(self._lost | self._left)
+        if self.quorum_fraction is not None:
+            return max(1, min(live, math.ceil(self.quorum_fraction * live - 1e-9)))
+        return max(1, min(self.min_quorum, live))
 
     def _check_lost(self, now: float) -> None:
         if self.heartbeat_timeout_s is None:
             return
         for name in self.learners:
-            if name not in self._seen or name in self._lost:
+            if name not in self._seen or name in self._lost or name in self._left:
                 continue  # not heard from yet (starting up): the grace window bounds the wait for it
             last, wall = self._seen[name]
             if now - last > self.heartbeat_timeout_s:
@@ -532,6 +660,17 @@ class Syncer:
                         f"{tuple(x.shape)} {np.dtype(x.dtype)}")
         return ""
 
+    def _check_norm(self, p: int, norm: float) -> str:
+        """Why a decoded outer gradient of L2 norm ``norm`` is too large for fragment ``p`` ('' if it is not)."""
+        recent = [x for x in self._norms[p] if x > 0.0]
+        if self.norm_bound is None or not recent:
+            return ""
+        limit = self.norm_bound * float(np.median(recent))
+        if norm > limit:
+            return (f"norm {norm:.4g} of the outer gradient above {self.norm_bound:g} x {limit / self.norm_bound:.4g}, "
+                    f"the median of fragment {p}'s last {len(recent)} merged norms")
+        return ""
+
     @staticmethod
     def _check_finite(decoded: tuple) -> str:
         for j, v in enumerate(decoded):
@@ -562,6 +701,9 @@ class Syncer:
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
         new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
+        if not (_all_finite(new) and _all_finite(outer_state)):
+            return self._refuse_round(p, names)
+        self._norms[p].extend(r.entries[k][3] for k in order)
         update = None
         if self._reply_tx is not None:  # the global values move by exactly the decoded message sent
             update, new = self._encode_update(p, list(new))
@@ -583,6 +725,16 @@ class Syncer:
                 replies.append(Reply(k, p, self._version[p], values))
         return replies
 
+    def _refuse_round(self, p: int, names: list) -> list[Reply]:
+        """A merge whose result is not finite: nothing changes; each contributor refused with the current values."""
+        why = (f"merge refused: the merged values or the outer optimizer state of fragment {p} would not be finite; "
+               f"the global model stays at version {self._version[p]}")
+        logger.warning("fragment %d: %s (contributors: %s)", p, why, ", ".join(names))
+        values = tuple(np.array(x, copy=True) for x in self._global[p])
+        for k in names:
+            self.refused.append((k, p, why))
+        return [Reply(k, p, self._version[p], values, accepted=False, reason=why) for k in names]
+
     def _merge(self, p: int, decoded: list, weights: list) -> tuple[list, Any]:
         """The token-weighted mean of ``decoded`` (in this order), then the outer step: new values and state."""
         total = math.fsum(weights)
@@ -600,7 +752,9 @@ class Syncer:
 
         A merge otherwise compiles on first use, once per fragment (decoding, the merge, the reply
         codec), inside the first round: every learner waiting for that round's reply waits for the
-        compiles too.  Call it before the learners start (a restart: before serving again).
+        compiles too.  Call it before the learners start (a restart: before serving again).  Every
+        learner heard before counts as heard when it ends: a restored syncer does not declare lost
+        the learners that were silent only because it was compiling.
         """
         with self._lock:
             for p in range(self.fragments):
@@ -613,6 +767,9 @@ class Syncer:
                     update = self._reply_encode(delta, self._reply_comm[p])[2]
                     new = self._reply_apply[p](self._global[p], tuple(np.asarray(x) for x in update))
                 jax.block_until_ready(new)
+            # Learners are not judged on the silence the compiles caused: they count as heard now.
+            now = time.monotonic()
+            self._seen = {k: (now, time.time()) for k in self._seen}
 
     def _encode_update(self, p: int, new: list) -> tuple[tuple[np.ndarray, ...], list]:
         """The reply compressor's message of ``new - global`` and the global values it decodes to."""
@@ -670,13 +827,15 @@ class Syncer:
 
         with self._lock, Checkpointer(directory) as ckpt:
             ckpt.save(int(step), self.state(), extra={"learners": list(self.learners),
-                                                      "last_merged": self.last_merged()})
+                                                      "last_merged": self.last_merged(),
+                                                      "last_seq": self.last_seqs()})
 
     def restore(self, directory: str | Path, *, step: int | None = None) -> int:
         """Load a checkpoint of :meth:`save` into this syncer (built with the same arguments); its step.
 
-        The global parameters, outer state, versions and last-merged counters come back
-        bit-identical; open rounds are dropped, and every learner counts as just seen (none lost).
+        The global parameters, outer state, versions, last-merged counters and last sequence
+        numbers taken come back bit-identical (contributions taken after the checkpoint may be sent
+        again: they were lost with the syncer); open rounds are dropped, and every learner counts as just seen (none lost).
         The checkpoint's learners may be more than this syncer's (learners that joined late):
         they are registered, in the checkpoint's order.
 
@@ -702,6 +861,8 @@ class Syncer:
             self._version = [int(v) for v in np.asarray(state["version"])]
             self.learners = tuple(saved)
             self._last_merged = {k: [int(v) for v in extra["last_merged"][k]] for k in saved}
+            seqs = extra.get("last_seq", {})
+            self._last_seq = {k: [int(v) for v in seqs.get(k, [0] * self.fragments)] for k in saved}
             self._rounds = [None] * self.fragments
             self._last_update = [None] * self.fragments  # not checkpointed: stale learners get whole values
             now = time.monotonic()

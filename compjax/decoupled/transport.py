@@ -68,6 +68,10 @@ class Transport(abc.ABC):
     def reply(self, reply: Reply) -> None:
         """Deliver ``reply`` to ``reply.learner`` (dropped if that learner is not connected)."""
 
+    def abandon(self, learner: str, fragment: int) -> None:
+        """Learner side: ``learner`` gave up waiting for the reply to its send of ``fragment`` (the syncer is
+        down); a transport that holds the send's arrays for the syncer lets them go.  The default does nothing."""
+
 
 class InProcessTransport(Transport):
     """Learners and syncer as threads of one process: one queue to the syncer, one per learner.

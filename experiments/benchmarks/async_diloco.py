@@ -65,6 +65,7 @@ Writes ``async_diloco.json`` (every measurement, the command, provenance), ``asy
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -263,6 +264,36 @@ def lost_while_running(row: dict) -> list[str]:
     return [n for n, seen in row["syncer"]["lost"] if n not in ends or seen < ends[n] - 2.0]
 
 
+def system_columns(row: dict, tokens: int, live: list[dict]) -> dict:
+    """The row's system view: all tokens over the wall time to the last learner's last step, the mean inner step,
+    the contributions refused (share and why), the merges by number of contributors, and the learners' wait split.
+
+    The wait split (read in lock-step rows): every learner waits for each merge; the learner that arrives last
+    waits only for the link and the merge, so the smallest mean wait is the *link wait* and what the others wait
+    beyond it the *straggler wait* (waiting for slower learners).
+    """
+    timed = [r for r in live if "started" in r]
+    ends = [r["started"] + r.get("loop_s", r.get("wall_s", 0.0)) for r in timed]
+    span = max(ends) - row["t_go"] if ends else float("nan")
+    stepped = [r for r in live if r.get("steps") and "step_s" in r]
+    merges = row["syncer"]["merges"]
+    refused = row["syncer"]["refused"]
+    received = sum(len(k) for _, _, k in merges) + len(refused)
+    why = collections.Counter(str(reason).split(":")[0].split(" (")[0] for _, _, reason in refused)
+    waits = [r["wait_s"] for r in live if "wait_s" in r]
+    link = min(waits) if waits else 0.0
+    return {
+        "system_tokens_per_s": tokens / span if span and span > 0 else float("nan"),
+        "system_span_s": span,
+        "step_ms_mean": 1000 * statistics.fmean(r["step_s"] / r["steps"] for r in stepped) if stepped else float("nan"),
+        "refused_share": len(refused) / received if received else 0.0,
+        "refused_why": dict(sorted(why.items())),
+        "merges_by_contributors": {str(n): c for n, c in sorted(collections.Counter(len(k) for _, _, k in merges).items())},
+        "link_wait_s": link,
+        "straggler_wait_s": statistics.fmean(w - link for w in waits) if waits else 0.0,
+    }
+
+
 def summarize(row: dict) -> dict:
     """A row's derived numbers: goodput and tokens/s per learner, bytes, the kernel's ratio."""
     s = row["settings"]
@@ -294,6 +325,7 @@ def summarize(row: dict) -> dict:
         "carried_bytes": carried, "control_bytes": c["control"],
         "delay_mean": statistics.fmean([d for r in live for f in r["delays"] for d in f] or [0]),
         "wait_s_mean": statistics.fmean(r["wait_s"] for r in main), "duration_s": row["duration_s"],
+        **system_columns(row, tokens, live),
     }
     if "tc" in row:
         framing = row["tc"]["packets"] * SEGMENT_HEADER
@@ -367,6 +399,16 @@ def to_markdown(report: dict) -> str:
              "| target | measured | met |", "|---|---|---|"]
     for t in report["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
+    lines += ["", ("| row | system tokens/s (all tokens / time to the last learner's last step) | inner step ms | "
+                   "refused (share, why) | merges by contributors | wait s: link / straggler |"),
+              "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "system_tokens_per_s" not in r:
+            continue
+        why = ", ".join(f"{k} {v}" for k, v in r["refused_why"].items()) or "-"
+        by = ", ".join(f"{k}: {v}" for k, v in r["merges_by_contributors"].items()) or "-"
+        lines.append(f"| {r['name']} | {r['system_tokens_per_s']:,.0f} | {r['step_ms_mean']:.1f} | "
+                     f"{r['refused_share']:.0%} ({why}) | {by} | {r['link_wait_s']:.1f} / {r['straggler_wait_s']:.1f} |")
     lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
               "refused | lost while running | counted MB | replies | replies MB (counted as updates) | carried MB | kernel MB | "
               "kernel / (carried + framing) | wall s |"),
