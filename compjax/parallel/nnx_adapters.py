@@ -248,7 +248,14 @@ def nnx_data_parallel_step(
         ``jax.lax.scan``) and reduces its gradient to shards, and the optimizer
         updates each device's shard, its compressor working on the shards.
         Non-optimized floating Variables (batch statistics) are averaged over
-        the fast axis and must be held whole.
+        the fast axis and must be held whole.  A tuple of several fast axes
+        (``fast_axis=('fsdp', 'tensor')``, a model annotated
+        ``nnx.with_partitioning(init, ('fsdp', 'tensor'))`` on a
+        ``(data, fsdp, tensor)`` mesh of ``Auto`` axes) makes a host of their
+        devices together, as :func:`data_parallel_step` does for specs over
+        several axes: the Variables keep their annotated layout and the
+        optimizer sees each sharded leaf cut along one dimension over all of
+        them.
       has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
       worker_rngs: fold the worker index into the model's RNG streams for the
         step (False: every worker draws the same numbers).
@@ -273,7 +280,8 @@ def nnx_data_parallel_step(
       ``train_step.jitted`` is that function.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh`` or a flag not a bool; at call
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, ``fast_axis`` naming
+        an axis not of ``mesh``, the worker axis, or one of type ``Explicit``, or a flag not a bool; at call
         time, a batch leading dimension not divisible by n, a closed-over NNX
         object the loss updates, or (with ``donate``) a Variable holding an
         array already donated or the same array as another Variable.

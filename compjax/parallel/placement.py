@@ -540,11 +540,11 @@ def stacked_spec(axes: Any, spec: P | None) -> P:
     return P(axes) if spec is None else P(axes, *tuple(spec))
 
 
-#: Why the sharded step builders take one fast axis, and where a model annotated over several goes.
-SEVERAL_AXES_HINT = ("data_parallel_step and nnx_data_parallel_step shard over one fast axis; a model annotated "
-                     "over several mesh axes (e.g. P('fsdp', 'tensor') on a (data, fsdp, tensor) mesh) trains "
-                     "through parallel.worker_step, whose layout helpers (replicate, init_worker_state, "
-                     "state_specs) take such specs")
+#: Where a model annotated over several fast axes goes (a step built for one of them refuses it with this).
+SEVERAL_AXES_HINT = ("name every fast axis the specs use: data_parallel_step(specs=) takes specs over several axes "
+                     "as they are (e.g. P('fsdp', 'tensor') on a (data, fsdp, tensor) mesh), "
+                     "nnx_data_parallel_step takes fast_axis=('fsdp', 'tensor'), and parallel.worker_step runs a "
+                     "step of one's own on such a model")
 
 
 def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, padded: bool = False,

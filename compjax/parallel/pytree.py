@@ -37,6 +37,7 @@ from compjax.parallel.core import (
 )
 from compjax.parallel.mesh import check_axis, check_fast_axes, worker_axes
 from compjax.parallel.placement import (
+    SEVERAL_AXES_HINT,
     Padded,
     as_spec,
     check_stored,
@@ -140,11 +141,23 @@ def data_parallel_step(
       mesh: mesh with axis ``axis_name`` (n workers), or a 2-D mesh.
       axis_name: the data axis (the slow axis of a 2-D mesh).
       fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
-        mesh (with ``specs``: the axis they name).
+        mesh (with ``specs``: the axis they name; specs over several axes
+        take None).
       specs: None, or a tree like the parameters (without the worker axis) of
         ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`), or
         :class:`~compjax.parallel.Padded` for a leaf stored padded: the loss
-        and ``tx`` see its logical shape (held whole inside the step).
+        and ``tx`` see its logical shape (held whole inside the step).  Or
+        specs over several fast axes, as a model annotates them on a
+        ``(data, fsdp, tensor)`` mesh (``P('fsdp', 'tensor')``: two
+        dimensions over two axes; ``P(('fsdp', 'tensor'))``: one dimension
+        over both; no :class:`~compjax.parallel.Padded` entry): a host is
+        then those axes' devices together (the batch cut into one chunk per
+        device), parameters and state keep the layout the specs give them,
+        and ``tx`` sees each sharded leaf cut along one dimension over all the
+        fast axes (:func:`compjax.parallel.placement.shard_view`, re-laid out
+        by XLA inside the host), its compressor reducing its per-layer
+        statistics over every fast axis.  The mesh's axes must then be
+        ``Auto`` (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3)``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
         worker's ``aux`` too (e.g. logits or an accuracy).
       rng: the step takes a PRNG key (typed or raw, one for all workers) and
@@ -307,8 +320,9 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
     def _several_axes_step(stored, opt_state, leaf_specs):
         """The step over parameters sharded over several fast axes: each host is their devices together."""
         fast = check_fast_axes(mesh, named_fast_axes(leaf_specs, mesh), axis_name)
-        if fast_axis is not None and fast_axis not in fast:
-            raise ValueError(f"specs shard over {fast} but fast_axis={fast_axis!r}")
+        if fast_axis is not None:  # one axis named where the specs use several: say so rather than guess
+            raise ValueError(f"specs shard over several fast axes {fast} but fast_axis={fast_axis!r} names one: "
+                             f"drop fast_axis, the step shards over every axis the specs name ({SEVERAL_AXES_HINT})")
         paths = jax.tree_util.tree_leaves_with_path(stored)
         for (path, _), e in zip(paths, leaf_specs):
             if isinstance(e, Padded):
