@@ -179,3 +179,35 @@ def test_layouts_over_several_fast_axes_the_step_cannot_take_are_refused_by_name
         parallel.nnx_data_parallel_step(nnx_loss, mesh, fast_axis=("fsdp", "model"))
     with pytest.raises(ValueError, match="fast_axis and axis_name must differ"):
         parallel.nnx_data_parallel_step(nnx_loss, mesh, fast_axis=("fsdp", "data"))
+
+
+@pytest.mark.slow
+def test_keys_donation_and_adam_moments_over_two_fast_axes_equal_the_replicated_2d_layout():
+    """The step's key folded per device (dropout masks differ on each of a host's four devices), the buffers
+    donated (the step carries its leaves merged), Adam's moments laid out like the parameters: three steps equal
+    the replicated 2-D layout (1e-6), losses included."""
+    init, batches = battery_problem()
+    mesh, mesh2 = mesh3(), parallel.make_2d_mesh(SLOW, FAST)
+
+    def dropped(p, batch, key):
+        x, y = batch
+        h = jnp.tanh(x @ p["w1"] + p["b1"]) * jax.random.bernoulli(key, 0.7, (x.shape[0], 16))
+        return jnp.mean((h @ p["w2"] + p["b2"] + p["s"] - y) ** 2)
+
+    tx = optax.chain(cj.topk(0.1, axis_name="data"), optax.adam(0.01))
+    rp, rs = parallel.replicate(init, mesh2, fast_axis="fast"), parallel.init_worker_state(tx, init, mesh2,
+                                                                                            fast_axis="fast")
+    sp, ss = parallel.replicate(init, mesh, specs=TWO_DIMS), parallel.init_worker_state(tx, init, mesh,
+                                                                                         specs=TWO_DIMS)
+    replicated = parallel.data_parallel_step(dropped, tx, mesh2, fast_axis="fast", rng=True)
+    step = parallel.data_parallel_step(dropped, tx, mesh, specs=TWO_DIMS, rng=True, donate=True)
+    rows = jax.NamedSharding(mesh, P(("data", "fsdp", "tensor")))
+    for i, b in enumerate(batches[:3]):
+        rp, rs, rl = replicated(rp, rs, parallel.shard_batch(b, mesh2, fast_axis="fast"), jax.random.key(i))
+        sp, ss, sl = step(sp, ss, jax.device_put(b, rows), jax.random.key(i))
+    assert len(set(np.round(np.asarray(sl), 6))) == SLOW * FAST  # every device its own mask and rows
+    np.testing.assert_allclose(np.asarray(sl), np.asarray(rl), rtol=1e-6, atol=1e-6)
+    got, want = parallel.gather(sp), parallel.gather(rp)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    assert sp["w1"].sharding.spec == P("data", "fsdp", "tensor")  # given back in the layout the specs give
