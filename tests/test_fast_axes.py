@@ -211,3 +211,44 @@ def test_keys_donation_and_adam_moments_over_two_fast_axes_equal_the_replicated_
     for k in want:
         np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
     assert sp["w1"].sharding.spec == P("data", "fsdp", "tensor")  # given back in the layout the specs give
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["topk", "randomk"])
+def test_a_leaf_the_hosts_device_count_divides_in_no_dimension_is_seen_whole(name):
+    """``w2`` (6, 16) sharded ``P('fsdp', 'tensor')``: 4 divides its columns, so the optimizer sees it cut along them;
+    ``w1`` (6, 6) sharded ``P('fsdp', 'tensor')``: 4 divides neither dimension, so the optimizer sees it whole
+    (every device of the host holds it) and the compressor's payload is still split over the host.  Five steps
+    equal the replicated 2-D layout (1e-6), ``payload_bytes`` and the slow-link bytes included."""
+    init, batches = battery_problem()
+    rng = np.random.default_rng(5)
+    init = dict(init, w1=jnp.asarray(rng.normal(size=(6, 6)) * 0.3, jnp.float32), b1=jnp.zeros(6),
+                w2=jnp.asarray(rng.normal(size=(6, 16)) * 0.3, jnp.float32))
+
+    def shaped(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return jnp.mean(((h @ p["w2"])[:, 5:8] + p["b2"] + p["s"] - y) ** 2)
+
+    specs = {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("fsdp", "tensor"), "b2": P(), "s": P()}
+    dims, view = parallel.placement.shard_view([init[k] for k in sorted(init)], [specs[k] for k in sorted(init)],
+                                               ("fsdp", "tensor"), mesh3())
+    assert dict(zip(sorted(init), dims)) == {"b1": None, "b2": None, "s": None, "w1": None, "w2": 1}, dims
+    tx = optax.chain(CASES[name].make(axis_name="data"), optax.sgd(0.1))
+    mesh, mesh2 = mesh3(), parallel.make_2d_mesh(SLOW, FAST)
+    rp, rs = parallel.replicate(init, mesh2, fast_axis="fast"), parallel.init_worker_state(tx, init, mesh2,
+                                                                                            fast_axis="fast")
+    sp, ss = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
+    replicated = parallel.data_parallel_step(shaped, tx, mesh2, fast_axis="fast")
+    step = parallel.data_parallel_step(shaped, tx, mesh, specs=specs)
+    rows = jax.NamedSharding(mesh, P(("data", "fsdp", "tensor")))
+    for b in batches:
+        rp, rs, _ = replicated(rp, rs, parallel.shard_batch(b, mesh2, fast_axis="fast"))
+        sp, ss, _ = step(sp, ss, jax.device_put(b, rows))
+    got, want = parallel.gather(sp), parallel.gather(rp)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
+    sent = np.asarray(cj.payload_bytes(ss))
+    np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs)))
+    counted = cj.accounting.bytes_by_axes(cj.audit_collectives(step, sp, ss, jax.device_put(batches[0], rows)), mesh)
+    assert counted.get(("data",), 0) * FAST == int(sent[0]), (counted, sent)
