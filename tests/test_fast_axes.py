@@ -234,6 +234,7 @@ def test_a_leaf_the_hosts_device_count_divides_in_no_dimension_is_seen_whole(nam
     dims, view = parallel.placement.shard_view([init[k] for k in sorted(init)], [specs[k] for k in sorted(init)],
                                                ("fsdp", "tensor"), mesh3())
     assert dict(zip(sorted(init), dims)) == {"b1": None, "b2": None, "s": None, "w1": None, "w2": 1}, dims
+    assert view[sorted(init).index("w2")] == P(None, ("fsdp", "tensor")) and view[sorted(init).index("w1")] == P()
     tx = optax.chain(CASES[name].make(axis_name="data"), optax.sgd(0.1))
     mesh, mesh2 = mesh3(), parallel.make_2d_mesh(SLOW, FAST)
     rp, rs = parallel.replicate(init, mesh2, fast_axis="fast"), parallel.init_worker_state(tx, init, mesh2,
