@@ -46,13 +46,15 @@ class FastLayout(NamedTuple):
     """The fast axis of the step being traced and the shard dimension of each gradient leaf.
 
     Attributes:
-      axis: the fast mesh axis (devices inside one host), bound by the enclosing ``shard_map``.
+      axis: the fast mesh axis (devices inside one host), bound by the enclosing ``shard_map``, or a
+        tuple of several (a host is their devices together; index ``c`` over the tuple, the last
+        axis fastest, as ``jax.lax.axis_index`` gives it).
       treedef: the gradients' tree structure, or None (replicated layout: no leaf is a shard).
       dims: one entry per gradient leaf (flatten order): the dimension along which the
         leaf is sharded over ``axis``, or None for a leaf every fast device holds whole.
     """
 
-    axis: str
+    axis: Any
     treedef: Any = None
     dims: tuple = ()
 
@@ -68,11 +70,12 @@ class Shards(NamedTuple):
     (``jax.lax.axis_index``) and issue no collective.
 
     Attributes:
-      axis: the fast mesh axis.
+      axis: the fast mesh axis, or a tuple of several (every collective and
+        ``axis_index`` then spans them all).
       dims: one entry per leaf: the dimension along which it is sharded, or None.
     """
 
-    axis: str
+    axis: Any
     dims: tuple
 
     def fast(self) -> int:
@@ -142,11 +145,11 @@ def current() -> FastLayout | None:
 
 
 @contextlib.contextmanager
-def fast_layout(axis: str, grads: Any = None, dims: Sequence | None = None) -> Iterator[FastLayout]:
+def fast_layout(axis: Any, grads: Any = None, dims: Sequence | None = None) -> Iterator[FastLayout]:
     """Declare, while tracing a step's ``update``, the fast axis and which gradient leaves are shards.
 
     Args:
-      axis: the fast mesh axis.
+      axis: the fast mesh axis, or a tuple of several.
       grads: the gradient tree the optimizer receives (its structure is kept), or None.
       dims: with ``grads``, one shard dimension (int) or None per leaf of ``grads``.
 

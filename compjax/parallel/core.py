@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from compjax import collectives, workers
 from compjax.compressors import chains
+from compjax.parallel.mesh import fast_names
 from compjax.parallel.placement import put
 
 #: The kinds of a step's positional arguments (see the module docstring).
@@ -194,7 +195,10 @@ def build_sharded_step(
       body: ``body(*args) -> outputs`` on one worker's logical values.
       mesh: the 2-D mesh.
       worker_axis: the slow mesh axis (a name).
-      fast: the fast mesh axis the specs shard over.
+      fast: the fast mesh axis the specs shard over, or a tuple of several
+        (``("fsdp", "tensor")``, in mesh order): a host is then their devices
+        together, its batch cut into one chunk per device (chunk ``c`` on the
+        device of index ``c`` over the tuple, the last axis varying fastest).
       kinds: one letter per positional argument, from ``"sbkc"``.
       in_specs: one entry per argument: None (the default for its kind) or the
         ``PartitionSpec`` (or a tree of them, a prefix of the argument) of a
@@ -216,11 +220,11 @@ def build_sharded_step(
         axis size does not divide.
     """
     kinds, in_specs = _checked_kinds(kinds, in_specs)
-    size = mesh.shape[fast]
+    size = fast_size(mesh, fast)
     worker = P(worker_axis)
     static = tuple(i for i, k in enumerate(kinds) if k == "c")
     donated = tuple(i for i, k in enumerate(kinds) if k == "s") if donate else ()
-    per_device = (worker_axis, fast)
+    per_device = (worker_axis, *fast_names(fast))
 
     def own(spec: P) -> P:  # a stacked leaf's spec without the worker axis
         return P(*tuple(spec)[1:])
@@ -419,13 +423,21 @@ def constrain(x: Any, spec: P) -> Any:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def on_shards(fn: Callable[..., Any], fast: str, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+def fast_size(mesh: Mesh, fast: str | tuple) -> int:
+    """The devices of one host: the size of the fast axis, or the product of the sizes of several."""
+    return int(np.prod([mesh.shape[a] for a in fast_names(fast)], dtype=np.int64))
+
+
+def on_shards(fn: Callable[..., Any], fast: str | tuple, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
     """``fn`` on each device's shards: a ``jax.shard_map`` that makes ``fast`` manual inside :func:`build_sharded_step`.
 
     ``in_specs`` and ``out_specs`` are the leaves' own specs (without the
-    worker axis; ``P()``: held whole by every device of the host).
+    worker axis; ``P()``: held whole by every device of the host).  ``fast``
+    is one axis or a tuple of several, all made manual; a leaf whose sharding
+    outside differs from its spec here is re-laid out by XLA at the boundary,
+    inside the host.
     """
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={fast})
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(fast_names(fast)))
 
 
 def per_device_value_and_grad(loss_fn: Callable[..., Any], fast: str, has_aux: bool,
@@ -536,7 +548,7 @@ def gather_whole(leaves: Sequence, dims: Sequence, fast: str) -> list:
             out.append(collectives.gather_shards(x, fast, d))
         elif jnp.issubdtype(jnp.result_type(x), jnp.floating):
             with collectives.uncounted():
-                out.append(collectives.vary(x, (fast,)))
+                out.append(collectives.vary(x, fast_names(fast)))
         else:
             out.append(x)
     return out

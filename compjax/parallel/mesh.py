@@ -91,11 +91,48 @@ def make_2d_mesh(slow: int, fast: int, *, slow_axis: str = "data", fast_axis: st
     return mesh
 
 
-def worker_axes(mesh: Mesh, axis_name: str, fast_axis: str | None) -> tuple[int, Any]:
-    """``(n, spec entry)``: the number of workers and the mesh axes the worker axis is sharded over."""
+def fast_names(fast: Any) -> tuple:
+    """The fast mesh axes as a tuple: ``"fast"`` -> ``("fast",)``; a tuple (or list) of several as a tuple."""
+    return tuple(fast) if isinstance(fast, (tuple, list)) else (fast,)
+
+
+def worker_axes(mesh: Mesh, axis_name: str, fast_axis: Any) -> tuple[int, Any]:
+    """``(n, spec entry)``: the number of workers and the mesh axes the worker axis is sharded over.
+
+    ``fast_axis`` is None, one fast axis, or a tuple of several (a host is their devices together).
+    """
     if fast_axis is None:
         return mesh.shape[axis_name], axis_name
-    return mesh.shape[axis_name] * mesh.shape[fast_axis], (axis_name, fast_axis)
+    names = fast_names(fast_axis)
+    return mesh.shape[axis_name] * int(np.prod([mesh.shape[a] for a in names])), (axis_name, *names)
+
+
+def check_fast_axes(mesh: Mesh, fast_axis: Any, axis_name: str) -> tuple:
+    """``fast_axis`` (one axis name or a tuple of several) checked against ``mesh``, as a tuple.
+
+    Raises:
+      ValueError: an axis not in ``mesh``, the worker axis ``axis_name``, an
+        empty tuple or an axis named twice; or a fast axis of type
+        ``Explicit`` (the sharded step leaves the fast axes to XLA's sharding
+        propagation, which needs them ``Auto``).
+    """
+    names = fast_names(fast_axis)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"fast_axis must be a mesh axis or a tuple of distinct ones, got {fast_axis!r}")
+    for a in names:
+        if a not in mesh.axis_names:
+            raise ValueError(f"fast_axis={fast_axis!r} names {a!r}, not an axis of the mesh, whose axes are "
+                             f"{mesh.axis_names}")
+        if a == axis_name:
+            raise ValueError(f"fast_axis and axis_name must differ, both name {axis_name!r}")
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    explicit = [a for a in names if types.get(a) == AxisType.Explicit and mesh.shape[a] > 1]
+    if explicit:
+        raise ValueError(f"fast axes {explicit} of the mesh are of type Explicit: the sharded step leaves them to "
+                         "XLA's sharding propagation, which needs them Auto. Build the mesh with "
+                         "parallel.make_2d_mesh(slow, fast), or jax.make_mesh(..., axis_types="
+                         "(jax.sharding.AxisType.Auto,) * ndim)")
+    return names
 
 
 def check_axis(mesh: Mesh, axis_name: str) -> None:

@@ -31,6 +31,7 @@ from compjax.parallel.core import (
     check_flags,
     chunk_indices,
     constrain,
+    fast_size,
     gather_whole,
     host_mean,
     load_nnx,
@@ -38,12 +39,13 @@ from compjax.parallel.core import (
     per_tree,
     warn_no_exchange,
 )
-from compjax.parallel.mesh import check_axis
+from compjax.parallel.mesh import check_axis, check_fast_axes, fast_names
 from compjax.parallel.placement import (
     SEVERAL_AXES_HINT,
     checked_leaf_specs,
     gather,
     shard_batch,
+    shard_view,
     stack_copies,
     state_specs,
 )
@@ -246,7 +248,14 @@ def nnx_data_parallel_step(
         ``jax.lax.scan``) and reduces its gradient to shards, and the optimizer
         updates each device's shard, its compressor working on the shards.
         Non-optimized floating Variables (batch statistics) are averaged over
-        the fast axis and must be held whole.
+        the fast axis and must be held whole.  A tuple of several fast axes
+        (``fast_axis=('fsdp', 'tensor')``, a model annotated
+        ``nnx.with_partitioning(init, ('fsdp', 'tensor'))`` on a
+        ``(data, fsdp, tensor)`` mesh of ``Auto`` axes) makes a host of their
+        devices together, as :func:`data_parallel_step` does for specs over
+        several axes: the Variables keep their annotated layout and the
+        optimizer sees each sharded leaf cut along one dimension over all of
+        them.
       has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. logits for accuracy).
       worker_rngs: fold the worker index into the model's RNG streams for the
         step (False: every worker draws the same numbers).
@@ -271,7 +280,8 @@ def nnx_data_parallel_step(
       ``train_step.jitted`` is that function.
 
     Raises:
-      ValueError: when built, ``axis_name`` not an axis of ``mesh`` or a flag not a bool; at call
+      ValueError: when built, ``axis_name`` not an axis of ``mesh``, ``fast_axis`` naming
+        an axis not of ``mesh``, the worker axis, or one of type ``Explicit``, or a flag not a bool; at call
         time, a batch leading dimension not divisible by n, a closed-over NNX
         object the loss updates, or (with ``donate``) a Variable holding an
         array already donated or the same array as another Variable.
@@ -294,9 +304,13 @@ def nnx_data_parallel_step(
     check_axis(mesh, axis_name)
     check_flags(has_aux=has_aux, worker_rngs=worker_rngs, donate=donate, independent=independent)
     if fast_axis is not None:
-        check_axis(mesh, fast_axis)
-        if fast_axis == axis_name:
-            raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
+        if isinstance(fast_axis, (tuple, list)):
+            fast_axis = check_fast_axes(mesh, fast_axis, axis_name)
+            fast_axis = fast_axis[0] if len(fast_axis) == 1 else fast_axis
+        else:
+            check_axis(mesh, fast_axis)
+            if fast_axis == axis_name:
+                raise ValueError(f"fast_axis and axis_name must differ, both are {axis_name!r}")
         return _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, donate, independent)
 
     def single(model, optimizer, batch):  # traced once per structure: the chain is checked then
@@ -323,8 +337,10 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
     shapes and shardings.
     """
     nnx = load_nnx()
-    size = mesh.shape[fast_axis]
-    devices = (axis_name, fast_axis)
+    names = fast_names(fast_axis)
+    several = len(names) > 1
+    size = fast_size(mesh, fast_axis)
+    devices = (axis_name, *names)
 
     def specs_dims(leaves, paths, what):
         specs, dims = [], []
@@ -336,6 +352,15 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                                  f"{axis_name!r} of this mesh: replicate model and optimizer together with "
                                  f"parallel.nnx_replicate(mesh, model, optimizer, axis_name={axis_name!r}[, specs=...])")
             own = [d for d, e in enumerate(spec[1:]) if e is not None]
+            if several:  # any of the fast axes, in any dimensions: the optimizer sees shard_view's layout
+                stray = [a for e in spec[1:] if e is not None for a in (e if isinstance(e, tuple) else (e,))
+                         if a not in names]
+                if stray:
+                    raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over {stray[0]!r}, "
+                                     f"not one of fast_axis={fast_axis!r}")
+                specs.append(P(*spec))
+                dims.append(own[0] if own else None)
+                continue
             if len(own) > 1 or (own and isinstance(spec[1 + own[0]], tuple) and len(spec[1 + own[0]]) > 1):
                 raise ValueError(f"{what}{jax.tree_util.keystr(path)} is sharded {P(*spec)}, over several axes: "
                                  f"{SEVERAL_AXES_HINT}")
@@ -359,6 +384,9 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
                                  "optimized parameters may be sharded; give its spec as None (whole)")
 
         if any(d is not None for d in pdims):
+            if several:
+                return sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims,
+                               view=several_view(odef, trees, arrays, pspecs))
             return sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims)
 
         def body(pl, rl, ol, batch):  # this device's leaves (build_step slices them)
@@ -394,11 +422,38 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
         return build_step(body, mesh, devices, "sssb", in_specs=(pspecs, rspecs, ospecs, None), out_specs=out_specs,
                           donate=donate)
 
-    def sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims):
-        """The step over parameters sharded over ``fast_axis``: the loss on each worker's logical arrays."""
+    def several_view(odef, trees, arrays, pspecs):
+        """Over several fast axes: what the optimizer sees (:func:`shard_view`), parameters and state."""
+        ptree, _, otree = trees
+        pl, _, ol = arrays
+        logical = [jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)) for x in pl]
+        dims, view = shard_view(logical, [P(*tuple(s)[1:]) for s in pspecs], names, mesh)
+        optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
+        pure = nnx.as_pure(jax.tree.unflatten(ptree, logical))
+        pure_def = jax.tree.structure(pure)
+        state_view = jax.tree.leaves(state_specs(optimizer.tx, pure, jax.tree.unflatten(pure_def, view), mesh),
+                                     is_leaf=lambda x: isinstance(x, P))
+
+        def is_var(x):
+            return isinstance(x, nnx.Variable)
+
+        by_id = {id(v): sp for v, sp in zip(jax.tree.leaves(optimizer.opt_state, is_leaf=is_var), state_view)}
+        oview = [by_id.get(id(v), P()) for v in jax.tree.leaves(nnx.state(optimizer), is_leaf=is_var)]
+        if len(oview) != len(ol):  # pragma: no cover - nnx.state and nnx.split flatten alike
+            raise ValueError(f"the optimizer has {len(ol)} arrays but {len(oview)} Variables")
+        return dims, view, oview
+
+    def sharded(mdef, odef, wrt, trees, pspecs, rspecs, ospecs, pdims, view=None):
+        """The step over parameters sharded over ``fast_axis``: the loss on each worker's logical arrays.
+
+        ``view``: over several fast axes, ``(dims, param specs, optimizer specs)`` as the optimizer sees them
+        (:func:`several_view`); XLA re-lays the leaves out at the optimizer's boundary, inside the host.
+        """
         ptree, rtree, otree = trees
         own = [P(*tuple(s)[1:]) for s in pspecs]
         oown = [P(*tuple(s)[1:]) for s in ospecs]
+        if view is not None:
+            pdims, own, oown = view
 
         def update(pl, ol, grads):  # this device's shards (and whole leaves)
             optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
@@ -452,7 +507,7 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
             clip.warn_local_norms(optimizer.tx)
             if not independent:
                 warn_no_exchange(optimizer.tx, "nnx_data_parallel_step", axis_name)
-            if any(fast_axis in jax.tree.leaves(tuple(getattr(getattr(x, "sharding", None), "spec", ()))[1:])
+            if any(set(names) & set(jax.tree.leaves(tuple(getattr(getattr(x, "sharding", None), "spec", ()))[1:]))
                    for x in jax.tree.leaves(params)):
                 clip.check_sharded_chain(optimizer.tx)
             checked.add(id(optimizer.tx))

@@ -540,11 +540,11 @@ def stacked_spec(axes: Any, spec: P | None) -> P:
     return P(axes) if spec is None else P(axes, *tuple(spec))
 
 
-#: Why the sharded step builders take one fast axis, and where a model annotated over several goes.
-SEVERAL_AXES_HINT = ("data_parallel_step and nnx_data_parallel_step shard over one fast axis; a model annotated "
-                     "over several mesh axes (e.g. P('fsdp', 'tensor') on a (data, fsdp, tensor) mesh) trains "
-                     "through parallel.worker_step, whose layout helpers (replicate, init_worker_state, "
-                     "state_specs) take such specs")
+#: Where a model annotated over several fast axes goes (a step built for one of them refuses it with this).
+SEVERAL_AXES_HINT = ("name every fast axis the specs use: data_parallel_step(specs=) takes specs over several axes "
+                     "as they are (e.g. P('fsdp', 'tensor') on a (data, fsdp, tensor) mesh), "
+                     "nnx_data_parallel_step takes fast_axis=('fsdp', 'tensor'), and parallel.worker_step runs a "
+                     "step of one's own on such a model")
 
 
 def checked_leaf_specs(tree: Any, specs: Any, mesh: Mesh, axis_name: str, *, padded: bool = False,
@@ -633,6 +633,52 @@ def shard_dims(leaf_specs: Sequence) -> tuple[list, str | None]:
                 dim, fast = d, entry[0] if isinstance(entry, tuple) else entry
         dims.append(dim)
     return dims, fast
+
+
+def named_fast_axes(leaf_specs: Sequence, mesh: Mesh) -> tuple:
+    """Every mesh axis the specs shard over (:class:`Padded` entries too), in the mesh's order."""
+    named = set()
+    for spec in map(as_spec, leaf_specs):
+        for entry in tuple(spec) if spec is not None else ():
+            named.update(entry if isinstance(entry, tuple) else (entry,) if entry is not None else ())
+    return tuple(a for a in mesh.axis_names if a in named)
+
+
+def shard_view(tree: Any, leaf_specs: Sequence, fast: tuple, mesh: Mesh) -> tuple[list, list]:
+    """How the optimizer sees each leaf on a mesh of several fast axes: one dimension over all of them, or whole.
+
+    A sharded step's compressors work on shards cut along one dimension over
+    the host's devices (:class:`compjax.layout.Shards`).  A leaf the specs
+    shard over several axes in several dimensions (``P('fsdp', 'tensor')``),
+    over some of the fast axes only, or in another order, is seen by the
+    optimizer cut along one dimension over every fast axis together
+    (``P(('fsdp', 'tensor'))`` on that dimension: the device of index ``c``
+    over ``fast``, the last axis fastest, holds the ``c``-th piece): the first
+    dimension the specs shard that the host's device count divides, else any
+    such dimension, else the leaf is seen whole (``P()``).  XLA re-lays the
+    leaf out inside the host where the optimizer takes it and gives it back.
+
+    Args:
+      tree: the logical leaves (arrays or ``jax.ShapeDtypeStruct``), one per spec.
+      leaf_specs: their specs (``PartitionSpec`` or None), over axes of ``fast``.
+      fast: the fast axes, in mesh order.
+      mesh: the mesh.
+
+    Returns:
+      ``(dims, specs)``: per leaf the dimension it is seen sharded along (or
+      None: whole) and its spec there (without the worker axis).
+    """
+    size = int(np.prod([mesh.shape[a] for a in fast], dtype=np.int64))
+    dims, specs = [], []
+    for x, spec in zip(jax.tree.leaves(tree), leaf_specs):
+        shape = tuple(np.shape(x))
+        entries = tuple(as_spec(spec)) if spec is not None else ()
+        sharded = [d for d, e in enumerate(entries) if e is not None]
+        fits = [d for d in sharded + list(range(len(shape))) if shape[d] % size == 0]
+        d = fits[0] if sharded and fits else None
+        dims.append(d)
+        specs.append(P() if d is None else P(*([None] * d + [tuple(fast)])))
+    return dims, specs
 
 
 def fsdp_specs(params: Any, mesh: Mesh, *, fast_axis: str = "fast", min_size: int = 1024,

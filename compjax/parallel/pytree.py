@@ -35,16 +35,19 @@ from compjax.parallel.core import (
     per_tree,
     warn_no_exchange,
 )
-from compjax.parallel.mesh import check_axis, worker_axes
+from compjax.parallel.mesh import check_axis, check_fast_axes, worker_axes
 from compjax.parallel.placement import (
+    SEVERAL_AXES_HINT,
     Padded,
     as_spec,
     check_stored,
     checked_leaf_specs,
     is_padded_array,
     mark_padded,
+    named_fast_axes,
     pad_leaves,
     shard_dims,
+    shard_view,
     stacked_spec,
     state_specs,
     unpad_leaves,
@@ -138,11 +141,23 @@ def data_parallel_step(
       mesh: mesh with axis ``axis_name`` (n workers), or a 2-D mesh.
       axis_name: the data axis (the slow axis of a 2-D mesh).
       fast_axis: the fast axis of a 2-D mesh, averaged densely; None for a 1-D
-        mesh (with ``specs``: the axis they name).
+        mesh (with ``specs``: the axis they name; specs over several axes
+        take None).
       specs: None, or a tree like the parameters (without the worker axis) of
         ``PartitionSpec`` over one fast axis (:func:`fsdp_specs`), or
         :class:`~compjax.parallel.Padded` for a leaf stored padded: the loss
-        and ``tx`` see its logical shape (held whole inside the step).
+        and ``tx`` see its logical shape (held whole inside the step).  Or
+        specs over several fast axes, as a model annotates them on a
+        ``(data, fsdp, tensor)`` mesh (``P('fsdp', 'tensor')``: two
+        dimensions over two axes; ``P(('fsdp', 'tensor'))``: one dimension
+        over both; no :class:`~compjax.parallel.Padded` entry): a host is
+        then those axes' devices together (the batch cut into one chunk per
+        device), parameters and state keep the layout the specs give them,
+        and ``tx`` sees each sharded leaf cut along one dimension over all the
+        fast axes (:func:`compjax.parallel.placement.shard_view`, re-laid out
+        by XLA inside the host), its compressor reducing its per-layer
+        statistics over every fast axis.  The mesh's axes must then be
+        ``Auto`` (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3)``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
         worker's ``aux`` too (e.g. logits or an accuracy).
       rng: the step takes a PRNG key (typed or raw, one for all workers) and
@@ -254,7 +269,9 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
     """:func:`data_parallel_step` over parameters sharded by ``specs`` (built at the first call, per tree)."""
     def build(params, opt_state):
         stored = _logical(params)
-        leaf_specs = checked_leaf_specs(stored, specs, mesh, axis_name, padded=True)
+        leaf_specs = checked_leaf_specs(stored, specs, mesh, axis_name, padded=True, several=True)
+        if len(named_fast_axes(leaf_specs, mesh)) > 1:
+            return _several_axes_step(stored, opt_state, leaf_specs)
         # A padded leaf (parallel.Padded) is stored padded and sharded; the step cuts it to its logical shape before
         # the loss and the optimizer (which see it whole, as a leaf held whole) and pads the results again.
         logical = jax.tree.unflatten(jax.tree.structure(stored), [
@@ -293,6 +310,50 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
                                           (own_specs, state_own))(params, opt_state, grads)
             params = jax.tree.unflatten(treedef, pad_leaves(jax.tree.leaves(params), leaf_specs))
             opt_state = jax.tree.unflatten(state_def, pad_leaves(jax.tree.leaves(opt_state), state_entries))
+            return (params, opt_state, loss) + ((aux,) if has_aux else ())
+
+        out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
+        return build_sharded_step(body, mesh, axis_name, fast, "ssbk" if rng else "ssb",
+                                  in_specs=(pspecs, sspecs, None, None)[: 4 if rng else 3], out_specs=out_specs,
+                                  donate=donate)
+
+    def _several_axes_step(stored, opt_state, leaf_specs):
+        """The step over parameters sharded over several fast axes: each host is their devices together."""
+        fast = check_fast_axes(mesh, named_fast_axes(leaf_specs, mesh), axis_name)
+        if fast_axis is not None:  # one axis named where the specs use several: say so rather than guess
+            raise ValueError(f"specs shard over several fast axes {fast} but fast_axis={fast_axis!r} names one: "
+                             f"drop fast_axis, the step shards over every axis the specs name ({SEVERAL_AXES_HINT})")
+        paths = jax.tree_util.tree_leaves_with_path(stored)
+        for (path, _), e in zip(paths, leaf_specs):
+            if isinstance(e, Padded):
+                raise ValueError(f"specs{jax.tree_util.keystr(path)} = {e} pads its leaf over {e.spec}, on specs "
+                                 f"that shard over several fast axes {fast}: keep the leaf whole (P()) or shard "
+                                 "a dimension every axis it names divides")
+        treedef = jax.tree.structure(stored)
+        specs_tree = jax.tree.unflatten(treedef, leaf_specs)
+        pspecs = jax.tree.unflatten(treedef, [stacked_spec(axis_name, as_spec(s)) for s in leaf_specs])
+        state_entries = jax.tree.leaves(state_specs(tx, stored, specs_tree, mesh), is_leaf=lambda x: isinstance(x, P))
+        state_def = jax.tree.structure(opt_state)
+        check_stored(stored, leaf_specs, "params")
+        check_stored(_logical(opt_state), state_entries, "opt_state")
+        sspecs = jax.tree.unflatten(state_def, [stacked_spec(axis_name, as_spec(s)) for s in state_entries])
+        # What the optimizer and its compressors see: every sharded leaf cut along one dimension over all the fast
+        # axes together (placement.shard_view), its state laid out to match; XLA re-lays them at the boundary.
+        dims, view = shard_view(stored, leaf_specs, fast, mesh)
+        view_tree = jax.tree.unflatten(treedef, view)
+        state_view = state_specs(tx, stored, view_tree, mesh)
+        per_device = P((axis_name, *fast))
+        value_and_grad = per_device_value_and_grad(loss_fn, fast, has_aux, view_tree)
+
+        def update(params, opt_state, grads):  # this device's pieces (and whole leaves)
+            grads = like_params(grads, params, compute_dtype)
+            with layout.fast_layout(fast, grads, dims):
+                return apply_gradients(tx, grads, opt_state, params)
+
+        def body(params, opt_state, chunks, *keys):  # one worker's logical arrays, sharded by their specs
+            (loss, aux), grads = value_and_grad(to_compute(params, compute_dtype), chunks, *keys)
+            params, opt_state = on_shards(update, fast, (view_tree, state_view, view_tree),
+                                          (view_tree, state_view))(params, opt_state, grads)
             return (params, opt_state, loss) + ((aux,) if has_aux else ())
 
         out_specs = (pspecs, sspecs, per_device) + ((per_device,) if has_aux else ())
