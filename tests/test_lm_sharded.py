@@ -1,0 +1,107 @@
+"""The transformer LM annotated for ``(data, fsdp, tensor)`` meshes (experiments/lm/sharded.py), and its own step.
+
+The model is checked against its own invariants (parameter count, causality, the logical-axis rules giving
+each kernel its mesh axes, dropout off = a deterministic function); its train step through
+``parallel.worker_step`` is checked against the same program without compjax.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from experiments.lm import sharded as S
+
+CFG = S.CONFIGS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return S.init(CFG)
+
+
+def test_parameter_count_matches_the_formula():
+    """The module docstring's count, for the tiny size (read from the abstract model) and for the 8B shape."""
+    assert sum(x.size for x in jax.tree.leaves(S.nnx.state(S.abstract(CFG), S.nnx.Param))) == S.num_params(CFG) == 21_312
+    assert S.num_params(S.CONFIGS["8b"]) == 128_256 * 4096 * 2 + 2048 * 4096 + 32 * (
+        4 * 4096**2 + 2 * 4096 * 14_336 + 4 * 4096) + 2 * 4096
+
+
+def test_rules_map_logical_axes_to_mesh_axes():
+    """embed -> fsdp, heads/mlp/vocab -> tensor, kv and seq whole: the annotations read under the rules."""
+    specs = S.param_specs(CFG)
+    block = specs["blocks"][0]
+    assert block["attn"]["query"] == P("fsdp", "tensor", None)
+    assert block["attn"]["out"] == P("tensor", None, "fsdp")
+    assert block["wi"] == P("fsdp", "tensor") and block["wo"] == P("tensor", "fsdp")
+    assert specs["tok_embed"]["embedding"] == P("tensor", "fsdp")
+    assert specs["head"] == P("fsdp", "tensor") and specs["pos_embed"] == P(None, "fsdp")
+    assert block["ln1"]["scale"] == P("fsdp")
+    other = S.param_specs(CFG, rules=(("embed", None), ("heads", None), ("mlp", "fsdp"), ("vocab", None)))
+    assert other["blocks"][0]["wi"] == P(None, "fsdp")
+
+
+def test_specs_drop_axes_the_mesh_lacks_or_holds_once():
+    """On a data x fsdp mesh (tensor of size 1) the tensor entries go: P('fsdp', 'tensor') -> P('fsdp', None)."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    specs = S.param_specs(CFG, mesh=mesh)
+    assert specs["blocks"][0]["wi"] == P("fsdp", None)
+    assert specs["tok_embed"]["embedding"] == P(None, "fsdp")
+
+
+@pytest.mark.slow  # builds and runs the model eagerly (several seconds on 2 cores)
+def test_logits_are_causal_and_dropout_off_is_deterministic(model):
+    """Changing the last token leaves the logits of every earlier position unchanged (to 0); the loss without
+    dropout does not depend on the key."""
+    graphdef, params = model
+    m = S.nnx.merge(graphdef, S.nnx.State(params))
+    ids = np.arange(10, dtype=np.int32)[None] % CFG.vocab
+    other = ids.copy()
+    other[0, -1] = 7
+    a, b = np.asarray(m(jnp.asarray(ids))), np.asarray(m(jnp.asarray(other)))
+    np.testing.assert_array_equal(a[:, :-1], b[:, :-1])
+    assert np.abs(a[:, -1] - b[:, -1]).max() > 0
+    windows = jnp.asarray(np.arange(2 * (CFG.seq_len + 1)).reshape(2, -1) % CFG.vocab, jnp.int32)
+    l1 = S.loss_fn(graphdef, params, windows, jax.random.key(0), CFG)
+    l2 = S.loss_fn(graphdef, params, windows, jax.random.key(1), CFG)
+    assert float(l1) == float(l2) and abs(float(l1) - np.log(CFG.vocab)) < 0.1
+
+
+@pytest.mark.slow  # builds and runs the model eagerly (several seconds on 2 cores)
+def test_dropout_draws_from_the_key():
+    """With dropout on, two keys give two losses; the same key the same loss."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, dropout=0.5)
+    graphdef, params = S.init(cfg)
+    windows = jnp.asarray(np.arange(2 * (cfg.seq_len + 1)).reshape(2, -1) % cfg.vocab, jnp.int32)
+    l1, l1b, l2 = (float(S.loss_fn(graphdef, params, windows, jax.random.key(k), cfg)) for k in (0, 0, 1))
+    assert l1 == l1b and l1 != l2
+
+
+@pytest.mark.parametrize("bad,msg", [({"heads": 3}, "heads \\* head_dim"), ({"dropout": 1.0}, "dropout"),
+                                     ({"n_layers": 0}, "n_layers")])
+def test_config_refuses_bad_sizes(bad, msg):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(CFG, **bad)
+
+
+@pytest.mark.slow  # builds and runs the model eagerly (several seconds on 2 cores)
+def test_the_programs_own_step_trains_on_one_device(model):
+    """The jitted step with its static config and donated state lowers the loss over a few steps."""
+    graphdef, params = model
+    tx = optax.adamw(1e-2)
+    step = S.make_train_step(graphdef, tx)
+    p, s = jax.tree.map(jnp.array, params), tx.init(params)
+    windows = jnp.asarray(np.random.default_rng(0).integers(0, 4, size=(4, CFG.seq_len + 1)), jnp.int32)
+    losses = []
+    for _ in range(5):
+        p, s, loss = step(p, s, windows, None, CFG)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.1, losses
