@@ -190,9 +190,13 @@ def worker_step(
     the collectives of compjax's compressors and algorithms over
     ``axis_name`` alone, each device of a worker sending its own part of the
     payload (:mod:`compjax.collectives`), so summed over a host they carry
-    exactly ``payload_bytes``.  A batch is split over the workers and, where
-    its rows divide by all the devices, over every device
-    (``P((axis_name, *others))``).  What ``fn`` returns with the structure and
+    exactly ``payload_bytes``.  A batch is split over the workers; with one
+    axis besides ``axis_name``, where its rows divide by all the devices, over
+    every device (``P((axis_name, fast))``); with several (``data x fsdp x
+    tensor``) each worker's rows are held whole by its devices (``P(axis_name)``,
+    XLA partitions the step's activations from there): token ids split over
+    the automatic axes of a partly manual program make XLA:CPU's partitioner
+    abort on an embedding lookup (a gather) of a table sharded over two axes.  What ``fn`` returns with the structure and
     shapes of a worker-stacked argument (a new ``TrainState``, new
     parameters), and the NNX objects' state, keeps the arguments' shardings;
     the rest is laid out by XLA.  The numbers are those of
@@ -352,7 +356,7 @@ def worker_step(
                         "out with parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...) on the 1-D mesh")
 
     def place_batch(a):
-        if not others:
+        if len(others) != 1:  # a 1-D mesh, or several axes besides the worker axis: each worker's rows whole
             return shard_batch(a, mesh, axis_name)
         every = (axis_name, *others)
         rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a)}
