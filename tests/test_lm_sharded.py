@@ -105,3 +105,52 @@ def test_the_programs_own_step_trains_on_one_device(model):
         p, s, loss = step(p, s, windows, None, CFG)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def mesh3(shape=(2, 2, 2)):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "fsdp", "tensor"))
+
+
+def lm_losses(tx, *, through_compjax, steps, shape=(2, 2, 2), rows=16):
+    """Per-step losses of the LM's own jitted step (in/out shardings from the rules, static config) on a
+    ``data x fsdp x tensor`` mesh: alone on the whole batch, or through ``parallel.worker_step`` (the mean of
+    the workers' losses: equal halves of the batch)."""
+    from compjax import parallel
+
+    mesh = mesh3(shape)
+    graphdef, params = S.init(CFG)
+    specs = S.param_specs(CFG, mesh=mesh)
+    ps = S.shardings(mesh, specs)
+    ss = S.shardings(mesh, parallel.state_specs(tx, params, specs, mesh))
+    own = S.make_train_step(graphdef, tx, param_shardings=ps, opt_shardings=ss, donate=False)
+    if through_compjax:
+        p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
+        step = parallel.worker_step(lambda p, s, b: own(p, s, b, None, CFG), mesh)
+    else:
+        p, s = jax.device_put(params, ps), jax.device_put(tx.init(params), ss)
+        step = lambda p, s, b: own(p, s, b, None, CFG)  # noqa: E731
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        starts = rng.integers(0, CFG.vocab, size=(rows, 1))  # counting sequences: learnable
+        windows = ((starts + np.arange(CFG.seq_len + 1)) % CFG.vocab).astype(np.int32)
+        p, s, loss = step(p, s, windows)
+        losses.append(float(np.mean(np.asarray(loss))))
+    return np.array(losses), p, s
+
+
+@pytest.mark.slow  # two compiles of the LM on 2 x 2 x 2 and 40 steps (~30 s on 2 cores)
+def test_identity_through_the_programs_own_step_equals_the_program_without_compjax():
+    """20 steps of cj.identity + AdamW through worker_step on data=2 x fsdp=2 x tensor=2, dropout off, equal
+    the program's own step with AdamW alone on the whole batch (loss per step to 1e-6): the mean of two
+    workers' gradients on equal halves is the whole batch's gradient."""
+    import compjax as cj
+
+    ref, _, _ = lm_losses(optax.adamw(1e-2), through_compjax=False, steps=20)
+    got, p, _ = lm_losses(optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-2)), through_compjax=True,
+                          steps=20)
+    assert ref[-1] < ref[0] - 0.05, ref  # it trains
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    assert p["blocks"][0]["wi"].sharding.spec == P("data", "fsdp", "tensor")
