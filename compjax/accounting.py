@@ -465,7 +465,10 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     under ``jax.shard_map`` the compressor refuses such gradients at trace
     time), or the dense all-reduce XLA inserts into a ``jax.jit`` step over
     replicated parameters.  A model's own small collectives (a BatchNorm's
-    statistics) are not flagged.
+    statistics) are not flagged, nor all-reduces that stay inside a worker
+    (XLA partitioning each worker's step over ``fsdp`` / ``tensor``: no group
+    of theirs holds two devices that meet in a group of compjax's collectives,
+    which run over the worker axis).
 
     **Bytes.**  The bytes are those of the compiled operands, which can differ
     from the traced dtype: XLA:CPU reduces bfloat16 as float32 and float8 as
@@ -544,12 +547,39 @@ def _dense_float_others(op: Collective) -> int:
                if who is None and d.startswith(("f", "bf")))
 
 
+def _worker_pairs(ops: list[Collective]) -> set | None:
+    """Pairs of devices of different workers: two devices that meet in a group of a collective compjax issued
+    (compjax's collectives run over the worker axis).  None when no such collective says its groups."""
+    pairs: set = set()
+    for op in ops:
+        if op.issuer != "compjax" or op.op == "collective-permute" or not op.replica_groups:
+            continue
+        for g in op.replica_groups:
+            pairs.update((a, b) for a in g for b in g if a != b)
+    return pairs or None
+
+
+def _crosses_workers(op: Collective, pairs: set | None) -> bool:
+    """Whether ``op`` reaches between workers: some group of it holds two devices of different workers (all
+    collectives count as crossing when the workers cannot be told apart)."""
+    if pairs is None or not op.replica_groups:
+        return True
+    return any((a, b) in pairs for g in op.replica_groups for a in g for b in g if a != b)
+
+
 def _flag_dense_gradients(ops: list[Collective], grads: int) -> list[Collective]:
-    """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others, when together they carry ``>= grads`` bytes."""
-    others = sum(_dense_float_others(op) for op in ops)
-    if not grads or others < grads:
+    """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others that reach between workers, when
+    together they carry ``>= grads`` bytes.
+
+    All-reduces that stay inside a worker (XLA partitioning a worker's step over the mesh's other axes:
+    ``fsdp``, ``tensor``) never cross the worker axis and are not counted; a worker's devices are told apart
+    from other workers' by the groups of compjax's own collectives (:func:`_worker_pairs`).
+    """
+    pairs = _worker_pairs(ops)
+    crossing = [_dense_float_others(op) if _crosses_workers(op, pairs) else 0 for op in ops]
+    if not grads or sum(crossing) < grads:
         return ops
-    return [op._replace(flag=DENSE_GRADIENTS) if _dense_float_others(op) else op for op in ops]
+    return [op._replace(flag=DENSE_GRADIENTS) if c else op for op, c in zip(ops, crossing)]
 
 
 def _dense_gradients_message(flagged: list[Collective], grads: int) -> str:

@@ -130,7 +130,7 @@ def lm_losses(tx, *, through_compjax, steps, shape=(2, 2, 2), rows=16):
         step = parallel.worker_step(lambda p, s, b: own(p, s, b, None, CFG), mesh)
     else:
         p, s = jax.device_put(params, ps), jax.device_put(tx.init(params), ss)
-        step = lambda p, s, b: own(p, s, b, None, CFG)  # noqa: E731
+        step = lambda p, s, b: own(p, s, b, None, CFG)
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
@@ -154,3 +154,50 @@ def test_identity_through_the_programs_own_step_equals_the_program_without_compj
     assert ref[-1] < ref[0] - 0.05, ref  # it trains
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
     assert p["blocks"][0]["wi"].sharding.spec == P("data", "fsdp", "tensor")
+
+
+def test_the_dense_gradient_flag_counts_only_all_reduces_between_workers():
+    """The audit's rule on a 2 hosts x 4 devices program: compjax's payload runs over groups (i, i + 4); a
+    model-sized float all-reduce inside each host (XLA partitioning the worker's step) is not flagged, the same
+    one between hosts is; without compjax groups to tell workers apart every all-reduce counts."""
+    from compjax import accounting as acc
+
+    grads = 4096
+    ours = acc.Collective("all-reduce", (("f32", (256,)),), 1024, "ours",
+                          replica_groups=((0, 4), (1, 5), (2, 6), (3, 7)), scopes=("jit(s)/compjax/dense_mean",))
+    inside = acc.Collective("all-reduce", (("f32", (2048,)),), 8192, "inside",
+                            replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)), scopes=("jit(s)/dot_general",))
+    between = inside._replace(name="between", replica_groups=((0, 4), (1, 5), (2, 6), (3, 7)))
+    assert [op.flag for op in acc._flag_dense_gradients([ours, inside], grads)] == ["", ""]
+    assert [op.flag for op in acc._flag_dense_gradients([ours, inside, between], grads)] == [
+        "", "", acc.DENSE_GRADIENTS]
+    assert acc._flag_dense_gradients([inside], grads)[0].flag == acc.DENSE_GRADIENTS
+
+
+@pytest.mark.slow  # the LM's compile on 2 x 2 x 2 (~20 s on 2 cores)
+def test_the_audit_of_the_lm_on_three_axes_does_not_warn_of_dense_gradients():
+    """XLA's all-reduces inside each host (fsdp, tensor) carry more float bytes than the gradients, but none
+    reaches the other host: no DENSE_GRADIENTS warning; compjax's all-reduces are the only ones between hosts."""
+    import warnings
+
+    import compjax as cj
+    from compjax import parallel
+
+    mesh = mesh3()
+    graphdef, params = S.init(CFG)
+    specs = S.param_specs(CFG, mesh=mesh)
+    tx = optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-3))
+    own = S.make_train_step(graphdef, tx, donate=False)
+    p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
+    step = parallel.worker_step(own, mesh, static_argnums=4, batch_argnums=2)
+    windows = np.zeros((16, CFG.seq_len + 1), np.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ops = cj.audit_collectives(step, p, s, windows, None, CFG)
+    assert not [w for w in caught if "densely" in str(w.message)]
+    assert not [op for op in ops if op.flag]
+    inside = sum(op.bytes for op in ops if op.op == "all-reduce" and op.issuer is None)
+    assert inside > 4 * S.num_params(CFG)  # there is a lot inside the hosts
+    hosts = lambda g: {d // 4 for d in g}
+    assert all(len(hosts(g)) == 1 for op in ops if op.issuer is None and op.op != "collective-permute"
+               for g in op.replica_groups)
