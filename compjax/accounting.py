@@ -528,6 +528,9 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         text = jitted.lower(*args, **kwargs).compile().as_text()
     ops = _collectives_of_hlo(text)
+    workers = getattr(fn, "worker_of_device", None)  # compjax.parallel.worker_step's: each device's worker
+    if workers is not None:
+        ops = _flag_dense_gradients([op._replace(flag="") for op in ops], _grads_bytes(text), tuple(workers))
     flagged = [op for op in ops if op.flag == DENSE_GRADIENTS]
     if flagged:
         warnings.warn(_dense_gradients_message(flagged, _grads_bytes(text)), stacklevel=2)
@@ -559,24 +562,31 @@ def _worker_pairs(ops: list[Collective]) -> set | None:
     return pairs or None
 
 
-def _crosses_workers(op: Collective, pairs: set | None) -> bool:
-    """Whether ``op`` reaches between workers: some group of it holds two devices of different workers (all
-    collectives count as crossing when the workers cannot be told apart)."""
-    if pairs is None or not op.replica_groups:
+def _crosses_workers(op: Collective, pairs: set | None, workers: tuple | None = None) -> bool:
+    """Whether ``op`` reaches between workers: some group of it holds two devices of different workers, told
+    apart by ``workers`` (each device's worker) or else by ``pairs`` (all collectives count as crossing when
+    neither tells them apart)."""
+    if not op.replica_groups:
+        return True
+    if workers is not None:
+        return any(len({workers[d] if d < len(workers) else -1 - d for d in g}) > 1 for g in op.replica_groups)
+    if pairs is None:
         return True
     return any((a, b) in pairs for g in op.replica_groups for a in g for b in g if a != b)
 
 
-def _flag_dense_gradients(ops: list[Collective], grads: int) -> list[Collective]:
+def _flag_dense_gradients(ops: list[Collective], grads: int, workers: tuple | None = None) -> list[Collective]:
     """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others that reach between workers, when
     together they carry ``>= grads`` bytes.
 
     All-reduces that stay inside a worker (XLA partitioning a worker's step over the mesh's other axes:
     ``fsdp``, ``tensor``) never cross the worker axis and are not counted; a worker's devices are told apart
-    from other workers' by the groups of compjax's own collectives (:func:`_worker_pairs`).
+    from other workers' by ``workers`` (each device's worker, given by the step), else by the groups of
+    compjax's own collectives (:func:`_worker_pairs`; where compjax also reduces inside a worker, every
+    all-reduce then counts).
     """
-    pairs = _worker_pairs(ops)
-    crossing = [_dense_float_others(op) if _crosses_workers(op, pairs) else 0 for op in ops]
+    pairs = _worker_pairs(ops) if workers is None else None
+    crossing = [_dense_float_others(op) if _crosses_workers(op, pairs, workers) else 0 for op in ops]
     if not grads or sum(crossing) < grads:
         return ops
     return [op._replace(flag=DENSE_GRADIENTS) if c else op for op, c in zip(ops, crossing)]

@@ -172,6 +172,14 @@ def test_the_dense_gradient_flag_counts_only_all_reduces_between_workers():
     assert [op.flag for op in acc._flag_dense_gradients([ours, inside, between], grads)] == [
         "", "", acc.DENSE_GRADIENTS]
     assert acc._flag_dense_gradients([inside], grads)[0].flag == acc.DENSE_GRADIENTS
+    # compjax reducing inside a host too (chunk top-k's statistics): its groups no longer tell workers apart,
+    # but the step's map of each device's worker (worker_step's worker_of_device) does
+    stats = ours._replace(name="stats", replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert acc._flag_dense_gradients([ours, stats, inside], grads)[2].flag == acc.DENSE_GRADIENTS
+    hosts = (0, 0, 0, 0, 1, 1, 1, 1)
+    assert [op.flag for op in acc._flag_dense_gradients([ours, stats, inside, between], grads, hosts)] == [
+        "", "", "", acc.DENSE_GRADIENTS]
+    assert acc._flag_dense_gradients([ours, stats, inside], grads, hosts)[2].flag == ""
 
 
 @pytest.mark.slow  # the LM's compile on 2 x 2 x 2 (~20 s on 2 cores)
@@ -190,6 +198,7 @@ def test_the_audit_of_the_lm_on_three_axes_does_not_warn_of_dense_gradients():
     own = S.make_train_step(graphdef, tx, donate=False)
     p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
     step = parallel.worker_step(own, mesh, static_argnums=4, batch_argnums=2)
+    assert step.worker_of_device == (0, 0, 0, 0, 1, 1, 1, 1)
     windows = np.zeros((16, CFG.seq_len + 1), np.int32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -269,7 +269,10 @@ def worker_step(
       ``step(*args)`` with ``fn``'s arguments in the worker-stacked layout,
       returning ``fn``'s outputs with a leading worker axis.  ``step.lower(*args)``
       lowers the underlying jitted function (so
-      :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
+      :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it;
+      ``step.worker_of_device`` gives each device's worker (devices numbered
+      as the compiled program numbers them), by which the audit tells
+      collectives inside a worker from those between workers.
 
     Raises:
       ValueError: when built, ``axis_name`` not an axis of ``mesh``, another
@@ -558,6 +561,10 @@ def worker_step(
 
     step.lower = lower
     step.jitted = jitted_for(bool(donate))
+    # Each device's worker (devices numbered as the compiled program numbers them: positions in mesh.devices):
+    # the audit tells collectives inside a worker from those between workers by it.
+    where = mesh.axis_names.index(axis_name)
+    step.worker_of_device = tuple(int(np.unravel_index(k, mesh.devices.shape)[where]) for k in range(mesh.size))
     return step
 
 

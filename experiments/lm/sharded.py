@@ -170,12 +170,14 @@ class TransformerLM(nnx.Module):
     (an ``nnx.Rngs`` with a ``dropout`` stream) when ``cfg.dropout > 0``.
 
     Examples:
-      >>> import jax.numpy as jnp
+      >>> import jax
       >>> from flax import nnx
-      >>> from experiments.lm.sharded import CONFIGS, TransformerLM
-      >>> model = TransformerLM(CONFIGS["tiny"], rngs=nnx.Rngs(0))
-      >>> model(jnp.zeros((2, 5), jnp.int32)).shape
-      (2, 5, 64)
+      >>> from experiments.lm.sharded import CONFIGS, abstract, num_params
+      >>> model = abstract(CONFIGS["tiny"])     # shapes only, annotations kept, nothing allocated
+      >>> model.blocks[0].wi.shape, nnx.get_partition_spec(model.blocks[0].wi).get_value()
+      ((32, 64), P('embed', 'mlp'))
+      >>> sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == num_params(CONFIGS["tiny"])
+      True
     """
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
