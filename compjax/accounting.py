@@ -465,7 +465,10 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     under ``jax.shard_map`` the compressor refuses such gradients at trace
     time), or the dense all-reduce XLA inserts into a ``jax.jit`` step over
     replicated parameters.  A model's own small collectives (a BatchNorm's
-    statistics) are not flagged.
+    statistics) are not flagged, nor all-reduces that stay inside a worker
+    (XLA partitioning each worker's step over ``fsdp`` / ``tensor``: no group
+    of theirs holds two devices that meet in a group of compjax's collectives,
+    which run over the worker axis).
 
     **Bytes.**  The bytes are those of the compiled operands, which can differ
     from the traced dtype: XLA:CPU reduces bfloat16 as float32 and float8 as
@@ -525,6 +528,9 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         text = jitted.lower(*args, **kwargs).compile().as_text()
     ops = _collectives_of_hlo(text)
+    workers = getattr(fn, "worker_of_device", None)  # compjax.parallel.worker_step's: each device's worker
+    if workers is not None:
+        ops = _flag_dense_gradients([op._replace(flag="") for op in ops], _grads_bytes(text), tuple(workers))
     flagged = [op for op in ops if op.flag == DENSE_GRADIENTS]
     if flagged:
         warnings.warn(_dense_gradients_message(flagged, _grads_bytes(text)), stacklevel=2)
@@ -544,12 +550,46 @@ def _dense_float_others(op: Collective) -> int:
                if who is None and d.startswith(("f", "bf")))
 
 
-def _flag_dense_gradients(ops: list[Collective], grads: int) -> list[Collective]:
-    """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others, when together they carry ``>= grads`` bytes."""
-    others = sum(_dense_float_others(op) for op in ops)
-    if not grads or others < grads:
+def _worker_pairs(ops: list[Collective]) -> set | None:
+    """Pairs of devices of different workers: two devices that meet in a group of a collective compjax issued
+    (compjax's collectives run over the worker axis).  None when no such collective says its groups."""
+    pairs: set = set()
+    for op in ops:
+        if op.issuer != "compjax" or op.op == "collective-permute" or not op.replica_groups:
+            continue
+        for g in op.replica_groups:
+            pairs.update((a, b) for a in g for b in g if a != b)
+    return pairs or None
+
+
+def _crosses_workers(op: Collective, pairs: set | None, workers: tuple | None = None) -> bool:
+    """Whether ``op`` reaches between workers: some group of it holds two devices of different workers, told
+    apart by ``workers`` (each device's worker) or else by ``pairs`` (all collectives count as crossing when
+    neither tells them apart)."""
+    if not op.replica_groups:
+        return True
+    if workers is not None:
+        return any(len({workers[d] if d < len(workers) else -1 - d for d in g}) > 1 for g in op.replica_groups)
+    if pairs is None:
+        return True
+    return any((a, b) in pairs for g in op.replica_groups for a in g for b in g if a != b)
+
+
+def _flag_dense_gradients(ops: list[Collective], grads: int, workers: tuple | None = None) -> list[Collective]:
+    """``ops`` with :data:`DENSE_GRADIENTS` on the float all-reduces of others that reach between workers, when
+    together they carry ``>= grads`` bytes.
+
+    All-reduces that stay inside a worker (XLA partitioning a worker's step over the mesh's other axes:
+    ``fsdp``, ``tensor``) never cross the worker axis and are not counted; a worker's devices are told apart
+    from other workers' by ``workers`` (each device's worker, given by the step), else by the groups of
+    compjax's own collectives (:func:`_worker_pairs`; where compjax also reduces inside a worker, every
+    all-reduce then counts).
+    """
+    pairs = _worker_pairs(ops) if workers is None else None
+    crossing = [_dense_float_others(op) if _crosses_workers(op, pairs, workers) else 0 for op in ops]
+    if not grads or sum(crossing) < grads:
         return ops
-    return [op._replace(flag=DENSE_GRADIENTS) if _dense_float_others(op) else op for op in ops]
+    return [op._replace(flag=DENSE_GRADIENTS) if c else op for op, c in zip(ops, crossing)]
 
 
 def _dense_gradients_message(flagged: list[Collective], grads: int) -> str:

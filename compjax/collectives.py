@@ -281,8 +281,14 @@ def rows_over_worker_devices(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray
     chunk top-k's per-tile selection with a layout on which XLA:CPU's SPMD
     partitioner (jaxlib 0.10.2) aborts (a check failure partitioning the
     gather); with the tiles' rows over the worker's devices it does not.
-    Only the layout inside the worker changes, not the values.  Elsewhere (no
-    such region, or a first dimension the devices do not divide) ``x`` as it is.
+    Where the worker's devices do not divide the rows (a layer cut into fewer
+    tiles than its worker has devices, e.g. a ``P('fsdp')`` leaf of 32 x 32 in
+    two tiles on four devices), XLA:CPU's partitioner aborts the same way
+    (``spmd_partitioner_util.cc``: ``Check failed:
+    partition_group_list.num_replica_groups() * ...``) when it keeps the
+    model's sharding into the per-row gather: ``x`` is then held whole by every
+    device of its worker (such a layer's tiles are few).  Only the layout inside
+    the worker changes, not the values.  Outside such a region ``x`` as it is.
     """
     auto = _auto_axes(axis_name)
     if not auto or x.ndim == 0:
@@ -292,7 +298,7 @@ def rows_over_worker_devices(x: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray
     for a in auto:
         size *= int(mesh.shape[a])
     if int(x.shape[0]) % size:
-        return x
+        return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(auto))
 
 

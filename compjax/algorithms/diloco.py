@@ -224,12 +224,20 @@ def fragment_assignment(params: Any, fragments: int, assignment: Any = None) -> 
     With at least ``fragments`` layers, layer ``j`` goes to fragment
     ``j mod fragments`` (strided, as the paper strides transformer blocks);
     with fewer layers, leaf ``i`` goes to fragment ``i mod fragments``.
+    With ``assignment="bytes"``, where that split leaves the largest fragment
+    more than 1.25 times the bytes of the smallest (a language model whose
+    embedding and output projection each outweigh a block), fragments are
+    balanced by bytes instead: the same units (layers, or leaves), largest
+    first, each to the fragment holding the fewest bytes so far; where layers
+    are too coarse for that, leaves.  Layers of equal size still go round the
+    fragments in turn.
     :func:`describe_fragments` prints the split.
 
     Args:
       params: the parameters (any pytree).
       fragments: the number of fragments, an int >= 1.
-      assignment: a split of one's own instead of the rule: a pytree shaped
+      assignment: ``"bytes"`` (the rule, balanced by bytes, see above), or a
+        split of one's own instead of the rule: a pytree shaped
         like ``params`` holding each leaf's fragment index (any value at the
         leaves never synchronized), or a function ``(key_path, leaf) ->
         fragment index`` called on every floating-point leaf.
@@ -254,7 +262,10 @@ def fragment_assignment(params: Any, fragments: int, assignment: Any = None) -> 
             f"fragments must be an integer in [1, {len(paths)}] (the number of floating-point parameter "
             f"leaves), got {fragments}"
         )
-    if assignment is not None:
+    by_bytes = isinstance(assignment, str) and assignment == "bytes"
+    if isinstance(assignment, str) and not by_bytes:
+        raise ValueError(f"assignment must be 'bytes', a pytree of fragment indices or a function, got {assignment!r}")
+    if assignment is not None and not by_bytes:
         given = _assigned(params, fragments, assignment)
         return [[i for i, f in enumerate(given) if f == p] for p in range(fragments)]
     layers: dict[tuple, int] = {}
@@ -264,7 +275,39 @@ def fragment_assignment(params: Any, fragments: int, assignment: Any = None) -> 
     for j, (i, path) in enumerate(paths):
         frag = layers[_layer_of(path)] % fragments if len(layers) >= fragments else j % fragments
         out[frag].append(i)
-    return out
+    leaves = jax.tree.leaves(params)
+    nbytes = {i: int(np.prod(np.shape(leaves[i]))) * jnp.dtype(leaves[i].dtype).itemsize for i, _ in paths}
+    if not by_bytes or fragments == 1 or _balanced(out, nbytes):
+        return out
+    by_layer: dict[int, list[int]] = {}
+    for i, path in paths:
+        by_layer.setdefault(layers[_layer_of(path)], []).append(i)
+    units = list(by_layer.values()) if len(layers) >= fragments else [[i] for i, _ in paths]
+    best = _largest_first(units, nbytes, fragments)
+    if not _balanced(best, nbytes):  # layers too coarse for the fragments: leaf by leaf
+        best = _largest_first([[i] for i, _ in paths], nbytes, fragments)
+    return best
+
+
+#: The largest fragment's bytes over the smallest's above which the strided split is rebalanced.
+_BALANCE = 1.25
+
+
+def _balanced(frags: list[list[int]], nbytes: dict) -> bool:
+    sizes = [sum(nbytes[i] for i in f) for f in frags]
+    return min(sizes) > 0 and max(sizes) <= _BALANCE * min(sizes)
+
+
+def _largest_first(units: list[list[int]], nbytes: dict, fragments: int) -> list[list[int]]:
+    """Units (lists of leaf indices) to fragments largest first, each to the fragment holding the fewest bytes
+    so far (ties: the lower fragment, then the earlier unit); each fragment's leaves in increasing order."""
+    sizes, out = [0] * fragments, [[] for _ in range(fragments)]
+    order = sorted(range(len(units)), key=lambda u: (-sum(nbytes[i] for i in units[u]), u))
+    for u in order:
+        f = min(range(fragments), key=lambda k: (sizes[k], k))
+        out[f].extend(units[u])
+        sizes[f] += sum(nbytes[i] for i in units[u])
+    return [sorted(f) for f in out]
 
 
 def describe_fragments(params: Any, fragments: int, assignment: Any = None) -> str:
@@ -389,8 +432,11 @@ def diloco(
       skip_nonfinite: skip a worker's inner step when its gradient is not finite.
       assignment: the split into fragments, if not by the rule of
         :func:`fragment_assignment` (numbered layers strided over the
-        fragments): a pytree like the parameters holding each leaf's fragment
-        index, or a function ``(key_path, leaf) -> fragment index``; checked at
+        fragments): ``"bytes"`` (the rule, balanced by bytes where its
+        fragments differ by more than 25%: a language model whose embedding
+        and output projection outweigh a block), a pytree like the parameters
+        holding each leaf's fragment index, or a function ``(key_path, leaf) ->
+        fragment index``; checked at
         ``init`` (every floating-point leaf assigned, indices in
         ``[0, fragments)``, no fragment empty).  Pass the same to
         :func:`diloco_global_params`.  ``init`` logs the split (logger

@@ -43,6 +43,59 @@ def _argnums(name: str, value: Any) -> tuple[int, ...]:
     return vals
 
 
+class _OwnJit(NamedTuple):
+    """What ``worker_step`` reads of a step jitted with ``jax.jit`` (its own ``static_argnums``,
+    ``donate_argnums``), and the function it runs inside each worker."""
+
+    fn: Callable[..., Any]
+    static_argnums: tuple
+    donate_argnums: tuple
+
+
+def _drop_axis(sharding: Any, axis_name: str) -> Any:
+    """A ``NamedSharding`` with ``axis_name`` taken out of every entry of its spec; anything else as it is."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    entries = []
+    for e in tuple(sharding.spec):
+        axes = tuple(a for a in _axes_of(e) if a != axis_name)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return NamedSharding(sharding.mesh, P(*entries))
+
+
+def _own_jit(fn: Callable[..., Any], axis_name: str) -> _OwnJit:
+    """The step's own ``jax.jit`` settings, and ``fn`` with the worker axis taken out of its shardings.
+
+    A step written for the whole mesh shards its batch over the data axis
+    (``in_shardings=(..., NamedSharding(mesh, P('data')))``); inside each
+    worker that axis is the worker axis itself, which JAX refuses in a
+    sharding there.  Such a step is jitted again from the function it wraps,
+    with ``axis_name`` taken out of every in/out sharding (each worker's rows
+    are its batch) and its own static and donated arguments.  A step of
+    another kind (not jitted, ``nnx.jit``) runs as it is.
+    """
+    info, inner = getattr(fn, "_jit_info", None), getattr(fn, "_fun", None)
+    if info is None or inner is None:
+        return _OwnJit(fn, (), ())
+    static, donated = tuple(info.static_argnums), tuple(info.donate_argnums)
+    ins, outs = tuple(info.in_shardings_leaves), tuple(info.out_shardings_leaves)
+
+    def names_worker(s):
+        return isinstance(s, NamedSharding) and any(axis_name in _axes_of(e) for e in tuple(s.spec))
+
+    if not any(names_worker(s) for s in ins + outs):
+        return _OwnJit(fn, static, donated)
+    unspecified = lambda leaves: all(type(s).__name__ == "UnspecifiedValue" for s in leaves)
+    kw = {}
+    if not unspecified(ins):
+        kw["in_shardings"] = jax.tree.unflatten(info.in_shardings_treedef, [_drop_axis(s, axis_name) for s in ins])
+    if not unspecified(outs):
+        kw["out_shardings"] = jax.tree.unflatten(info.out_shardings_treedef,
+                                                 [_drop_axis(s, axis_name) for s in outs])
+    rejit = jax.jit(inner, static_argnums=static, static_argnames=tuple(info.static_argnames), **kw)
+    return _OwnJit(rejit, static, donated)
+
+
 def _beyond_worker_axis(x: Any, axis_name: str) -> bool:
     """True for an array laid out beyond the 1-D worker axis: its worker axis over several mesh axes, or a
     dimension of its own sharded (``replicate(..., fast_axis=...)``, ``specs=``)."""
@@ -113,8 +166,9 @@ def worker_step(
     rng_argnums: int | tuple[int, ...] = (),
     average: Any = (),
     worker_rngs: bool = True,
-    donate: bool = False,
+    donate: bool | None = None,
     independent: bool = False,
+    static_argnums: int | tuple[int, ...] | None = None,
 ) -> Callable[..., Any]:
     """Turn a single-device train step into the data-parallel step over the worker-stacked layout.
 
@@ -163,13 +217,22 @@ def worker_step(
       mesh: mesh with axis ``axis_name`` (n workers).
       axis_name: the data axis; compressors in ``fn``'s optimizers must use it.
       batch_argnums: positions of the batch arguments (negative counts from the
-        end); None: the last argument that is not an NNX object.
+        end); None: the last argument that is neither an NNX object nor
+        static (``static_argnums``).
       rng_argnums: positions of PRNG key arguments (typed or raw), passed as one
         key for all workers.
       average: names and/or NNX Variable types to average over workers after each step.
       worker_rngs: fold the worker index into NNX arguments' ``RngKey`` streams.
       donate: donate the worker-stacked arguments' buffers (the arrays held
-        before the call are deleted; NNX objects get the new ones).
+        before the call are deleted; NNX objects get the new ones).  None
+        (the default): donate them when ``fn`` is a ``jax.jit`` function whose
+        own ``donate_argnums`` name every worker-stacked argument (the
+        outputs then reuse their buffers, as in the program alone); False
+        otherwise.
+      static_argnums: positions of arguments passed to ``fn`` as they are
+        (hashable: a config, a flag; the step compiles once per value).  None
+        (the default): ``fn``'s own ``static_argnums`` when it is a
+        ``jax.jit`` function, else none.
       independent: the workers are meant to train apart (local SGD, an
         ensemble): no warning when nothing in the step crosses the worker
         axis.  Without it, a step that updates an optimizer (an
@@ -205,9 +268,13 @@ def worker_step(
     the collectives of compjax's compressors and algorithms over
     ``axis_name`` alone, each device of a worker sending its own part of the
     payload (:mod:`compjax.collectives`), so summed over a host they carry
-    exactly ``payload_bytes``.  A batch is split over the workers and, where
-    its rows divide by all the devices, over every device
-    (``P((axis_name, *others))``).  What ``fn`` returns with the structure and
+    exactly ``payload_bytes``.  A batch is split over the workers; with one
+    axis besides ``axis_name``, where its rows divide by all the devices, over
+    every device (``P((axis_name, fast))``); with several (``data x fsdp x
+    tensor``) each worker's rows are held whole by its devices (``P(axis_name)``,
+    XLA partitions the step's activations from there): token ids split over
+    the automatic axes of a partly manual program make XLA:CPU's partitioner
+    abort on an embedding lookup (a gather) of a table sharded over two axes.  What ``fn`` returns with the structure and
     shapes of a worker-stacked argument (a new ``TrainState``, new
     parameters), and the NNX objects' state, keeps the arguments' shardings;
     the rest is laid out by XLA.  The numbers are those of
@@ -217,7 +284,10 @@ def worker_step(
       ``step(*args)`` with ``fn``'s arguments in the worker-stacked layout,
       returning ``fn``'s outputs with a leading worker axis.  ``step.lower(*args)``
       lowers the underlying jitted function (so
-      :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it.
+      :func:`compjax.audit_collectives` accepts ``step``); ``step.jitted`` is it;
+      ``step.worker_of_device`` gives each device's worker (devices numbered
+      as the compiled program numbers them), by which the audit tells
+      collectives inside a worker from those between workers.
 
     Raises:
       ValueError: when built, ``axis_name`` not an axis of ``mesh``, another
@@ -230,7 +300,17 @@ def worker_step(
         sharded over ``axis_name``), a collective of ``fn`` over an unbound
         axis (above), a batch not divisible by ``n``, a
         closed-over NNX object that ``fn`` tries to update (pass it as an
-        argument), or (with ``donate``) an array already donated.
+        argument), a static argument that is not hashable, a sharding over
+        ``axis_name`` inside ``fn`` that cannot be translated (a constraint of
+        its own), or (donating) an array already donated.
+
+    **The program's own jit.**  A ``fn`` jitted with ``jax.jit`` keeps what
+    its jit says: its ``static_argnums`` pass through as they are (unless
+    ``static_argnums`` is given), its ``donate_argnums`` are honoured (see
+    ``donate``), and its ``in_shardings`` / ``out_shardings`` written for the
+    whole mesh (the batch over ``P('data')``, parameters over ``fsdp`` and
+    ``tensor``) are kept with ``axis_name`` taken out of them: inside each
+    worker the data axis is the worker axis, each worker's rows its batch.
 
     Examples:
       A single-device step, unchanged, run on 8 workers with top-k:
@@ -253,7 +333,12 @@ def worker_step(
     """
     check_axis(mesh, axis_name)
     check_cpu_pool(mesh)
-    check_flags(worker_rngs=worker_rngs, donate=donate, independent=independent)
+    check_flags(worker_rngs=worker_rngs, independent=independent)
+    if donate is not None:
+        check_flags(donate=donate)
+    own = _own_jit(fn, axis_name)
+    fn = own.fn
+    static_nums = own.static_argnums if static_argnums is None else _argnums("static_argnums", static_argnums)
     others = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     explicit = [a for a in others if types.get(a) == AxisType.Explicit]
@@ -271,7 +356,8 @@ def worker_step(
         nargs = len(args)
         bnums = batch_nums
         if bnums is None:  # the last argument that is no NNX object (not a trailing nnx.Rngs)
-            free = [i for i, a in enumerate(args) if not is_graph_node(a)]
+            taken = {v % nargs for v in static_nums if -nargs <= v < nargs}
+            free = [i for i, a in enumerate(args) if not is_graph_node(a) and i not in taken]
             if not free:
                 raise ValueError(
                     f"batch_argnums: every one of the step's {nargs} arguments is an NNX object, so none is the "
@@ -279,13 +365,15 @@ def worker_step(
                 )
             bnums = (free[-1],)
         pos = {}
-        for label, nums, what in (("b", bnums, "batch_argnums"), ("k", rng_nums, "rng_argnums")):
+        for label, nums, what in (("t", static_nums, "static_argnums"), ("b", bnums, "batch_argnums"),
+                                  ("k", rng_nums, "rng_argnums")):
             for v in nums:
                 if not -nargs <= v < nargs:
                     raise ValueError(f"{what} entry {v} is out of range for a step called with {nargs} arguments")
                 i = v % nargs
                 if i in pos:
-                    raise ValueError(f"argument {i} is listed twice in batch_argnums / rng_argnums")
+                    raise ValueError(f"argument {i} is listed twice in static_argnums / batch_argnums / "
+                                     "rng_argnums")
                 pos[i] = label
         return tuple(pos.get(i, "s") for i in range(nargs))
 
@@ -294,7 +382,7 @@ def worker_step(
         objs = nnx.merge(graphdef, gstate) if graphdef is not None else ()
         saved = workers.nnx_fold_rngs(objs, axis_name) if objs and worker_rngs else None
         it = {"g": iter(objs), "s": iter(stacked), "b": iter(batches), "k": iter(keys)}
-        args = [next(it[k]) for k in kinds]
+        args = [k[1] if isinstance(k, tuple) else next(it[k]) for k in kinds]  # ("t", value): static
         try:
             out = fn(*args)
         except Exception as e:
@@ -327,11 +415,26 @@ def worker_step(
             leaves, treedef = jax.tree.flatten(gstate)
             return jax.tree.unflatten(treedef, _constrain(leaves, lay.gstate)), _keep_layout(out, lay)
 
-        jitted = build_step(host_body, mesh, axis_name, "cccssbk", donate=donate, manual_only=True)
+        build = lambda d: build_step(host_body, mesh, axis_name, "cccssbk", donate=d, manual_only=True)
     else:
         # jitted(graphdef, kinds, gstate, stacked, batches, keys): outputs placed P(axis_name) as replicate() places
         # them, so the second call does not compile again.
-        jitted = build_step(body, mesh, axis_name, "ccssbk", donate=donate)
+        build = lambda d: build_step(body, mesh, axis_name, "ccssbk", donate=d)
+    builds: dict = {}
+
+    def jitted_for(d: bool) -> Any:
+        if d not in builds:
+            builds[d] = build(d)
+        return builds[d]
+
+    def donating(kinds: tuple) -> bool:
+        """``donate``, or (None) whether ``fn``'s own jit donates every worker-stacked argument."""
+        if donate is not None:
+            return donate
+        nargs = len(kinds)
+        own_donated = {v % nargs for v in own.donate_argnums if -nargs <= v < nargs}
+        mine = {i for i, k in enumerate(kinds) if k in ("s", "g")}
+        return bool(mine) and mine <= own_donated
 
     def check_layout(args, kinds, gstate, stacked):
         """Refuse leaves laid out for another step; on a 1-D mesh any sharding beyond the worker axis; padded leaves."""
@@ -373,7 +476,7 @@ def worker_step(
                         "out with parallel.replicate(tree, mesh) / parallel.nnx_replicate(mesh, ...) on the 1-D mesh")
 
     def place_batch(a):
-        if not others:
+        if len(others) != 1:  # a 1-D mesh, or several axes besides the worker axis: each worker's rows whole
             return shard_batch(a, mesh, axis_name)
         every = (axis_name, *others)
         rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a)}
@@ -395,6 +498,16 @@ def worker_step(
                 raise ValueError(f"argument {i} is listed in rng_argnums but is not a PRNG key "
                                  "(jax.random.key(seed) or a raw uint32[2] key)")
         kinds = tuple("g" if k == "s" and is_graph_node(a) else k for a, k in zip(args, kinds))
+        d = donating(kinds)
+        for i, (a, k) in enumerate(zip(args, kinds)):
+            if k == "t":
+                try:
+                    hash(a)
+                except TypeError:
+                    raise ValueError(
+                        f"argument {i} is static (static_argnums) but not hashable ({type(a).__name__}): a static "
+                        "argument is part of the compiled program's key; pass a hashable value (a frozen "
+                        "dataclass, a tuple), or leave it out of static_argnums") from None
         objs = tuple(a for a, k in zip(args, kinds) if k == "g")
         graphdef, gstate = load_nnx().split(objs) if objs else (None, None)
         stacked = tuple(a for a, k in zip(args, kinds) if k == "s")
@@ -410,28 +523,33 @@ def worker_step(
                         f"(parallel.replicate for pytrees, parallel.nnx_replicate for NNX objects), or list it in "
                         "batch_argnums / rng_argnums"
                     )
-        if donate:
+        if d:
             check_donatable((gstate, stacked))
         if others:
             gstate, stacked = jax.tree.map(lambda x: _trimmed(x, mesh), (gstate, stacked))
         batches = tuple(place_batch(a) for a, k in zip(args, kinds) if k == "b")
         keys = tuple(put(a, NamedSharding(mesh, P())) for a, k in zip(args, kinds) if k == "k")
+        kinds = tuple(("t", a) if k == "t" else k for a, k in zip(args, kinds))  # static values in the key
         if others:
-            return objs, (graphdef, kinds, _leaf_layout(gstate, stacked, mesh), gstate, stacked, batches, keys)
-        return objs, (graphdef, kinds, gstate, stacked, batches, keys)
+            return objs, d, (graphdef, kinds, _leaf_layout(gstate, stacked, mesh), gstate, stacked, batches, keys)
+        return objs, d, (graphdef, kinds, gstate, stacked, batches, keys)
 
     checked: set = set()
     trained: dict = {}  # per traced structure: whether the step updates an optimizer (recorded while tracing)
     nstatic = 3 if others else 2
 
-    def warn_if_apart(jargs: tuple) -> None:
+    def warn_if_apart(jitted: Any, jargs: tuple) -> None:
         """At the first call per structure: warn when no collective of the step crosses ``axis_name``."""
         sig = (jargs[:nstatic], jax.tree.structure(jargs[nstatic:]),
                tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in jax.tree.leaves(jargs[nstatic:])))
         if independent or sig in checked:
             return
         checked.add(sig)
-        jaxpr = jitted.trace(*jargs).jaxpr
+        try:
+            jaxpr = jitted.trace(*jargs).jaxpr
+        except ValueError as e:
+            _explain_manual_axis(e, axis_name)
+            raise
         if not trained.get(_trace_key(jargs[0], jargs[1], jargs[nstatic:]), True):
             return  # an evaluation step: no optimizer is updated, so no model is trained apart
         if not crosses_axis(jaxpr, axis_name):
@@ -451,16 +569,47 @@ def worker_step(
             read_tx.append(True)
             for tx in _transforms_of(fn, args):
                 clip.warn_local_norms(tx)
-        objs, jargs = prepare(args)
-        warn_if_apart(jargs)
-        gstate, out = jitted(*jargs)
+        objs, d, jargs = prepare(args)
+        step.jitted = jitted = jitted_for(d)
+        warn_if_apart(jitted, jargs)
+        try:
+            gstate, out = jitted(*jargs)
+        except ValueError as e:
+            _explain_manual_axis(e, axis_name)
+            raise
         if objs:
             load_nnx().update(objs, gstate)
         return out
 
-    step.lower = lambda *args: jitted.lower(*prepare(args)[1])
-    step.jitted = jitted
+    def lower(*args):
+        _, d, jargs = prepare(args)
+        try:
+            return jitted_for(d).lower(*jargs)
+        except ValueError as e:
+            _explain_manual_axis(e, axis_name)
+            raise
+
+    step.lower = lower
+    step.jitted = jitted_for(bool(donate))
+    # Each device's worker (devices numbered as the compiled program numbers them: positions in mesh.devices):
+    # the audit tells collectives inside a worker from those between workers by it.
+    where = mesh.axis_names.index(axis_name)
+    step.worker_of_device = tuple(int(np.unravel_index(k, mesh.devices.shape)[where]) for k in range(mesh.size))
     return step
+
+
+def _explain_manual_axis(e: ValueError, axis_name: str) -> None:
+    """Raise a ValueError naming the fix when JAX refuses a sharding over the worker axis inside the step."""
+    msg = str(e)
+    if ("manual axes" in msg and repr(axis_name) in msg) or (
+            "should be of type `Manual`" in msg and f"axis: {axis_name} " in msg):
+        raise ValueError(
+            f"the step shards something over the worker axis {axis_name!r} itself (a sharding constraint, an "
+            f"in/out sharding of an inner jit, e.g. the batch's P({axis_name!r})): inside worker_step each worker "
+            f"runs the step on its own slice, so {axis_name!r} cannot appear there. Take {axis_name!r} out of "
+            "those specs (each worker's rows are its batch; P() or the other axes), or pass the step jitted with "
+            f"jax.jit(..., in_shardings=..., out_shardings=...), whose shardings worker_step translates"
+        ) from e
 
 
 class _Layout(NamedTuple):
