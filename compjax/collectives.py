@@ -98,6 +98,7 @@ __all__ = [
     "sparse_mean",
     "sparse_mean_segments",
     "sum_over_fast",
+    "tapping",
     "typed_axis",
     "uncounted",
     "vary",
@@ -1000,6 +1001,11 @@ class _Tap(threading.local):
 
 
 _TAP = _Tap()
+
+
+def tapping() -> bool:
+    """Whether this thread is inside :func:`capture` or :func:`replay` (one worker's message, on purpose alone)."""
+    return _TAP.mode is not None
 
 
 class Captured:

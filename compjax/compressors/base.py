@@ -360,7 +360,7 @@ def warn_if_spread(leaves: Sequence[Any], who: str) -> None:
       leaves: the floating-point gradient leaves the compressor received (tracers or arrays).
       who: the compressor, as users call it (e.g. ``"cj.topk"``).
     """
-    if collectives._TAP.mode is not None:  # capture/replay: one learner's message, encoded on purpose
+    if collectives.tapping():  # capture/replay: one learner's message, encoded on purpose
         return
     for x in leaves:
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
