@@ -496,7 +496,8 @@ class Syncer:
     def admit(self, header: Header) -> str:
         """Why the contribution of ``header`` must be refused, from the header alone ('' when admissible).
 
-        Checked in this order: the learner is known; the fragment is an integer in range; the
+        Checked in this order: the learner is known; the fragment is an integer in range; the header
+        is not a shard's (``shard`` 0 of ``shards`` 1: :class:`~compjax.decoupled.ShardedSyncer` takes those); the
         declared arrays are as many as the compressor's message for the fragment holds
         (:meth:`payload_spec`) and their size no larger than that message's (before anything is
         allocated); each declared shape and dtype is the message's; the tokens are positive and finite;
@@ -516,6 +517,9 @@ class Syncer:
         p = header.fragment
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
             return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
+        if (header.shard, header.shards) != (0, 1):
+            return (f"shard {header.shard!r} of {header.shards!r}: this syncer holds the whole model, not shards "
+                    f"(a sharded learner's syncer is compjax.decoupled.ShardedSyncer)")
         want = self._spec[p]
         if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
             return (f"wrong size: the message of fragment {p} has {len(want)} arrays, the header declares "
