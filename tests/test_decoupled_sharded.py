@@ -8,6 +8,7 @@ mesh, and no learner array ever holds a whole parameter on one device.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import jax
@@ -122,11 +123,14 @@ def run_sharded(params0, data):
     return syncer, learners, held_whole
 
 
-@pytest.mark.slow  # two 4-device learners and the 2 x 4 reference compile (several seconds on 2 cores)
-def test_two_sharded_learners_at_full_quorum_equal_diloco_on_a_2x4_mesh_and_never_hold_a_whole_parameter():
+def model_and_data():
     rng = np.random.default_rng(0)
     params0 = mlp(rng)
-    data = batches(rng, STEPS, 8 * N * FAST)
+    return params0, batches(rng, STEPS, 8 * N * FAST)
+
+
+def reference(params0, data):
+    """cj.diloco's global parameters after the run, on the 2 x 4 (data x fsdp) mesh of this process."""
     mesh = parallel.make_2d_mesh(N, FAST)
     specs = parallel.fsdp_specs(params0, mesh, min_size=1)
     tx = cj.diloco(optax.sgd(LR), sync_every=H, axis_name="data")
@@ -135,7 +139,13 @@ def test_two_sharded_learners_at_full_quorum_equal_diloco_on_a_2x4_mesh_and_neve
     for b in data:
         p, s, _ = step(p, s, parallel.shard_batch(b, mesh, fast_axis="fast"))
     one = lambda tree: jax.tree.map(lambda x: np.asarray(x)[0], tree)
-    want = cj.diloco_global_params(one(s), one(p))
+    return cj.diloco_global_params(one(s), one(p))
+
+
+@pytest.mark.slow  # two 4-device learners and the 2 x 4 reference compile (several seconds on 2 cores)
+def test_two_sharded_learners_at_full_quorum_equal_diloco_on_a_2x4_mesh_and_never_hold_a_whole_parameter():
+    params0, data = model_and_data()
+    want = reference(params0, data)
 
     syncer, learners, held_whole = run_sharded(params0, data)
 
@@ -162,3 +172,45 @@ def test_the_whole_model_syncer_refuses_a_shard_s_contribution():
     h = Header("a", 0, 0, 1.0, 1, ((4,),), ("<f4",), 16, seq=1, shard=1, shards=2)
     (reply,) = syncer.submit(Contribution(h, (np.ones(4, np.float32),)))
     assert not reply.accepted and "ShardedSyncer" in reply.reason and syncer.versions() == [0]
+
+
+@pytest.mark.slow  # three processes start, import JAX and compile (about a minute on 2 loaded cores)
+def test_two_sharded_learner_processes_of_4_devices_equal_diloco_on_a_2x4_mesh(tmp_path):
+    """The syncer and two learners as processes of 4 CPU devices each (MultiProcessTransport): every shard's
+    contribution offered from its own device, replies per shard; equal cj.diloco on the 2 x 4 mesh to 1e-5, and
+    neither learner ever held a whole parameter (nor an anchor piece) on one device."""
+    pytest.importorskip("zmq")
+    from tests.test_decoupled_multiprocess import Proc, free_address
+
+    want = reference(*model_and_data())
+    address = free_address()
+    config = {"out": str(tmp_path), "steps": STEPS, "H": H, "n": N, "fast": FAST, "address": address,
+              "learners": [f"dc{i}" for i in range(N)], "versions": STEPS // H,
+              "runs": [{}]}
+    procs = []
+    try:
+        syncer = Proc("sharded_syncer", config, tmp_path / "syncer.log", devices=FAST)
+        procs.append(syncer)
+        syncer.wait_for("syncer bound", "syncer start", timeout=240)
+        for i in range(N):
+            procs.append(Proc("sharded_learner", {**config, "name_self": f"dc{i}", "index": i},
+                              tmp_path / f"learner{i}.log", devices=FAST))
+        for p in procs[1:]:
+            p.wait_for("done sharded", "training", timeout=300)
+        syncer.wait_for("syncer done sharded", "syncer end", timeout=60)
+    finally:
+        for p in procs:
+            p.stop()
+    summary = json.loads((tmp_path / "sharded_syncer.json").read_text())
+    assert summary["versions"] == [STEPS // H] * FAST and not any(summary["refused"])
+    assert all(len(k) == N for merges in summary["merges"] for k in merges)
+    got = np.load(tmp_path / "sharded_global.npz")
+    names = sorted(want)  # the leaves in jax.tree order: b1, b2, w1, w2
+    for j, k in enumerate(names):
+        np.testing.assert_allclose(got[f"arr_{j}"][0], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    for i in range(N):
+        stats = json.loads((tmp_path / f"sharded_learner_dc{i}.json").read_text())
+        assert stats["devices"] == FAST and stats["whole"] == [] and stats["sends"] == [STEPS // H]
+        mine = np.load(tmp_path / f"sharded_learner_dc{i}.npz")
+        for j, k in enumerate(names):
+            np.testing.assert_allclose(mine[f"arr_{j}"][0], want[k], rtol=1e-5, atol=1e-5, err_msg=k)

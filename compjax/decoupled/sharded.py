@@ -29,7 +29,7 @@ import optax
 
 from compjax._checks import check_range
 from compjax.decoupled.learner import LearnerStats
-from compjax.decoupled.messages import Contribution, Header, Reply
+from compjax.decoupled.messages import Contribution, Header, Reply, Start
 from compjax.decoupled.syncer import Syncer
 from compjax.decoupled.transport import Incoming, Transport
 
@@ -183,6 +183,36 @@ class ShardedSyncer:
         """Per shard, the number of merges made of it."""
         return [s.versions()[0] for s in self.shards]
 
+    def _start(self, starts: list) -> Start:
+        """One :class:`~compjax.decoupled.Start` whose entries are the shards (values, version, sequence number)."""
+        return Start(tuple(st.values[0] for st in starts), tuple(st.versions[0] for st in starts),
+                     tuple(st.seqs[0] for st in starts) if all(st.seqs for st in starts) else ())
+
+    def start(self, learner: str | None = None) -> Start:
+        """Where a learner starts: a :class:`~compjax.decoupled.Start` with one entry per *shard* (not fragment):
+        the shard's global values, version and the learner's last sequence number
+        (:meth:`ShardedLearner.start_from` reads it so)."""
+        return self._start([s.start(learner) for s in self.shards])
+
+    def register(self, name: str, *, max_tokens: float | None = None, now: float | None = None) -> Start:
+        """:meth:`Syncer.register <compjax.decoupled.Syncer.register>` on every shard; the start per shard.
+
+        ``max_tokens`` caps each shard's contributions (every shard of one send carries the send's tokens).
+
+        Raises:
+          ValueError: as :meth:`Syncer.register <compjax.decoupled.Syncer.register>`.
+        """
+        return self._start([s.register(name, max_tokens=max_tokens, now=now) for s in self.shards])
+
+    def heartbeat(self, name: str, *, now: float | None = None) -> None:
+        """Note a message from learner ``name`` on every shard."""
+        for s in self.shards:
+            s.heartbeat(name, now=now)
+
+    def leave(self, name: str, *, now: float | None = None) -> list[Reply]:
+        """Learner ``name`` leaves cleanly, on every shard; the replies of the rounds its leave completed."""
+        return [dataclasses.replace(r, shard=k) for k, s in enumerate(self.shards) for r in s.leave(name, now=now)]
+
     def global_params(self) -> Any:
         """The global model in the structure of ``params``, each leaf whole (NumPy, its own dtype)."""
         out = list(self._leaves)
@@ -303,6 +333,25 @@ class ShardedLearner:
         self._outstanding: dict[int, int] = {}  # shard -> inner step of its send
         self.stats = LearnerStats(bytes_sent=[0], sends=[0], delays=[[]], abandoned=[0])
 
+    def start_from(self, start: Start) -> None:
+        """Set every shard's parameters, anchor and version to ``start``'s (:meth:`ShardedSyncer.register`'s:
+        one entry per shard), e.g. from ``MultiProcessTransport.join``.
+
+        Raises:
+          ValueError: ``start`` does not have this learner's shards and shapes, or a send is in flight.
+        """
+        if self._outstanding:
+            raise ValueError(f"start_from needs no send in flight; shards {sorted(self._outstanding)} await replies")
+        if not isinstance(start, Start) or len(start.values) != self.layout.shards or any(
+                len(v) != len(a) or any(np.shape(x) != y.shape for x, y in zip(v, a))
+                for v, a in zip(start.values, self._anchor)):
+            raise ValueError(f"start must be a Start with one entry per shard ({self.layout.shards}) of the shards' "
+                             f"shapes, got {start!r:.200}")
+        for s, (values, version) in enumerate(zip(start.values, start.versions)):
+            self._use(Reply(self.name, 0, int(version), tuple(values), shard=s), mix=False)
+        if start.seqs:
+            self._seq = max([self._seq, *(int(q) for q in start.seqs)])
+
     def _local(self, x: jax.Array, s: int) -> jax.Array:
         """Device ``s``'s own array of leaf ``x`` (a single-device array on that device)."""
         d = self._devices[s]
@@ -368,7 +417,7 @@ class ShardedLearner:
         while (reply := self._transport.poll(self.name, timeout=0.0)) is not None:
             self._use(reply)
 
-    def _use(self, reply: Reply) -> None:
+    def _use(self, reply: Reply, mix: bool = True) -> None:
         s = reply.shard
         sent_at = self._outstanding.pop(s, None) if 0 <= s < self.layout.shards else None
         if not reply.accepted:
@@ -385,7 +434,7 @@ class ShardedLearner:
             self.stats.delays[0].append(self.count - sent_at)
         self._anchor[s] = [jax.device_put(np.asarray(v, np.float32), self._devices[s]) for v in reply.values]
         self._version[s] = int(reply.version)
-        a = 0.0 if self._wait else self._alpha
+        a = 0.0 if self._wait or not mix else self._alpha
         leaves, treedef = jax.tree.flatten(self.params)
         for k, (j, index) in enumerate(own):
             i = self.layout.leaves[j]
