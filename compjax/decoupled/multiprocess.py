@@ -391,8 +391,9 @@ class MultiProcessTransport(Transport):
             else:
                 advertise = local_address_towards(host, port)
         self.advertise = advertise
-        self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
-        self.transfer_address = self._server.address()
+        if role != "syncer":  # (the syncer's starts after its socket is bound, below)
+            self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
+            self.transfer_address = self._server.address()
         self.role, self.name = role, name
         self._max_tokens = None if max_tokens is None else float(max_tokens)  # a learner's declared token cap
         self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
@@ -418,6 +419,16 @@ class MultiProcessTransport(Transport):
             self._heard: dict[str, float] = {}  # (CURVE) learner -> when that connection last spoke
             self._sock.bind(address)
             self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            # The transfer server takes a free port only now: it cannot take the port the syncer was asked to bind.
+            try:
+                self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
+            except ValueError:
+                self._sock.close(linger=0)
+                if self._auth is not None:
+                    self._auth.stop()
+                self._ctx.term()
+                raise
+            self.transfer_address = self._server.address()
             self._syncer = None
             self._record: _Record | None = None
             self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
