@@ -304,6 +304,25 @@ class ShardedLearner:
     References:
       Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428 (each learner a datacenter's program);
       Douillard et al., "DiLoCo", 2023.
+
+    Examples:
+      >>> import jax, numpy as np, optax, threading
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> from compjax.decoupled import InProcessTransport, ShardLayout, ShardedLearner, ShardedSyncer
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+      >>> w = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("fsdp")))
+      >>> step = jax.jit(lambda p, s, t: ({"w": p["w"] - 0.5 * (p["w"] - t)}, s, 0.0))
+      >>> transport = InProcessTransport(["a"])
+      >>> syncer = ShardedSyncer({"w": np.ones((4, 2), np.float32)}, ShardLayout.of({"w": w}), learners=["a"],
+      ...                        outer=optax.sgd(1.0))
+      >>> stop = threading.Event()
+      >>> server = threading.Thread(target=syncer.serve, args=(transport, stop)); server.start()
+      >>> learner = ShardedLearner("a", step, {"w": w}, (), transport, sync_every=2, wait_for_merge=True)
+      >>> for _ in range(2):
+      ...     _ = learner.step(0.0)
+      >>> learner.finish(); stop.set(); server.join()
+      >>> syncer.global_params()["w"][0], learner.params["w"].sharding.shard_shape((4, 2))
+      (array([0.25, 0.25], dtype=float32), (2, 2))
     """
 
     def __init__(self, name: str, train_step: Callable, params: Any, inner_state: Any, transport: Transport, *,
