@@ -62,7 +62,7 @@ class ShardLayout:
 
     @classmethod
     def of(cls, params: Any) -> "ShardLayout":
-        """The layout of ``params``, a pytree of ``jax.Array`` placed with ``NamedSharding``s over one mesh.
+        """The layout of ``params``, a pytree of ``jax.Array`` leaves placed with a ``NamedSharding`` over one mesh.
 
         Raises:
           ValueError: a floating-point leaf not a ``jax.Array`` with a ``NamedSharding``, leaves on
