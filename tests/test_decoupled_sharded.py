@@ -68,11 +68,11 @@ def test_a_contribution_with_wrong_shard_fields_is_refused_and_changes_nothing()
     w = jax.device_put(np.zeros((4, 3), np.float32), NamedSharding(mesh, P("fsdp")))
     syncer = ShardedSyncer({"w": np.zeros((4, 3), np.float32)}, ShardLayout.of({"w": w}), learners=["a"],
                            outer=optax.sgd(1.0))
-    for shard, shards in ((2, 2), (0, 3)):
+    for shard, shards in ((2, 2), (0, 3), ("1", 2)):
         h = Header("a", 0, 0, 1.0, 1, ((6,),), ("<f4",), 24, seq=1, shard=shard, shards=shards)
         replies = syncer.submit(Contribution(h, (np.ones(6, np.float32),)))
         assert [r.accepted for r in replies] == [False]
-    assert syncer.versions() == [0, 0] and len(syncer.refused) == 2
+    assert syncer.versions() == [0, 0] and len(syncer.refused) == 3
     # The right fields: shard 1's syncer merges (quorum 1) and only shard 1 moves.
     h = Header("a", 0, 0, 1.0, 1, ((6,),), ("<f4",), 24, seq=1, shard=1, shards=2)
     (reply,) = syncer.submit(Contribution(h, (np.ones(6, np.float32),)))

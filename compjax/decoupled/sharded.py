@@ -225,7 +225,8 @@ class ShardedSyncer:
         """Route a contribution to its shard's syncer (a wrong ``shard``/``shards`` is refused); the replies."""
         h = incoming.header
         n = self.layout.shards
-        if h.shards != n or not 0 <= h.shard < n:
+        if (h.shards != n or isinstance(h.shard, bool) or not isinstance(h.shard, (int, np.integer))
+                or not 0 <= h.shard < n):
             why = f"shard {h.shard!r} of {h.shards!r}: this syncer holds shards 0..{n - 1} of {n}"
             logger.warning("refused the contribution of learner %r: %s", h.learner, why)
             with self._lock:
