@@ -261,6 +261,7 @@ def run_syncer(args) -> dict:
                             min_quorum=None if args.quorum_fraction else quorum(args),
                             quorum_fraction=None if args.lockstep else args.quorum_fraction,
                             grace_s=None if args.lockstep else args.grace_s,
+                            adaptive_grace=None if args.lockstep else args.adaptive_grace,
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
                             heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s,
@@ -610,6 +611,9 @@ def parser() -> argparse.ArgumentParser:
                          "losses and leaves)")
     ap.add_argument("--grace-s", type=float, default=2.0,
                     help="seconds a round waits for its quorum (a fraction of the time between two sends of a fragment)")
+    ap.add_argument("--adaptive-grace", type=float, default=None,
+                    help="c >= 1: the grace window is min(--grace-s, c x the 90th percentile of recent rounds' "
+                         "arrival spreads) (default: the fixed --grace-s)")
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")

@@ -3,6 +3,8 @@
     python -m tests.decoupled_procs syncer  CONFIG_JSON
     python -m tests.decoupled_procs learner CONFIG_JSON
     python -m tests.decoupled_procs bad     CONFIG_JSON     (a client that sends bad contributions)
+    python -m tests.decoupled_procs sharded_syncer  CONFIG_JSON   (sharded learners' syncer, per shard)
+    python -m tests.decoupled_procs sharded_learner CONFIG_JSON   (a learner on a 4-device fsdp mesh)
 
 CONFIG_JSON is a JSON object (see ``main``); its ``runs`` list holds one entry per run, each with its own
 address, run one after the other by the same processes (one start-up and import for several runs).  The
@@ -193,6 +195,91 @@ def run_bad(run: dict, out: Path) -> None:
     say(f"bad done {name}")
 
 
+def _sharded_setup(run: dict):
+    """The model, data, this process's 1 x fast mesh and the fsdp specs of tests/test_decoupled_sharded.py."""
+    from jax.sharding import Mesh
+
+    from compjax import parallel
+    from tests.test_decoupled_sharded import batches, mlp
+
+    rng = np.random.default_rng(0)
+    params0 = mlp(rng)
+    data = batches(rng, run["steps"], 8 * run["n"] * run["fast"])
+    mesh = Mesh(np.array(jax.local_devices()[:run["fast"]]).reshape(1, run["fast"]), ("data", "fast"))
+    return params0, data, mesh, parallel.fsdp_specs(params0, mesh, min_size=1)
+
+
+def run_sharded_syncer(run: dict, out: Path, stop: threading.Event) -> None:
+    """Merge shard by shard until every shard reached ``versions`` merges and ``linger_s`` passed."""
+    from compjax import parallel
+    from compjax.decoupled import ShardedSyncer, ShardLayout
+
+    params0, _, mesh, specs = _sharded_setup(run)
+    layout = ShardLayout.of(parallel.replicate(params0, mesh, specs=specs))  # the learners' layout
+    syncer = ShardedSyncer(jax.tree.map(lambda x: x[None], params0), layout, learners=run["learners"])
+    transport = MultiProcessTransport.for_syncer(run["address"])
+    say(f"syncer bound {transport.address}")
+    done = threading.Event()
+    server = threading.Thread(target=syncer.serve, args=(transport, done), daemon=True)
+    server.start()
+    reached = None
+    while not stop.is_set() and server.is_alive():
+        if reached is None and min(syncer.versions()) >= run["versions"]:
+            reached = time.monotonic()
+            say(f"syncer reached {run['versions']}")
+        if reached is not None and time.monotonic() - reached > run.get("linger_s", 5.0):
+            break
+        time.sleep(0.02)
+    done.set()
+    server.join(timeout=30)
+    transport.close()
+    save_params(out / "sharded_global.npz", syncer.global_params())
+    (out / "sharded_syncer.json").write_text(json.dumps({
+        "versions": syncer.versions(), "merges": [[list(k) for _, _, k in sh.merges] for sh in syncer.shards],
+        "refused": [sh.refused for sh in syncer.shards]}))
+    say("syncer done sharded")
+
+
+def run_sharded_learner(run: dict, out: Path) -> None:
+    """Join, train ``steps`` steps on rows ``index`` of each global batch on this process's fsdp mesh, finish."""
+    from compjax import parallel
+    from compjax.decoupled import ShardedLearner
+
+    name, index = run["name_self"], run["index"]
+    params0, data, mesh, specs = _sharded_setup(run)
+    inner = optax.sgd(LR)
+    step = parallel.data_parallel_step(tests_sharded_loss(), inner, mesh, specs=specs, independent=True)
+    transport = MultiProcessTransport.for_learner(name, run["address"])
+    lrn = ShardedLearner(name, step, parallel.replicate(params0, mesh, specs=specs),
+                         parallel.init_worker_state(inner, params0, mesh, specs=specs), transport,
+                         sync_every=run["H"], wait_for_merge=True, reply_timeout_s=120)
+    rows = len(data[0][0]) // run["n"]
+    batch = lambda x, y: parallel.shard_batch((x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]),
+                                              mesh)
+    jax.block_until_ready(step(lrn.params, lrn.inner_state, batch(*data[0])))  # compile before joining
+    lrn.start_from(transport.join(timeout=120))
+    say(f"learner {name} joined")
+    whole = []  # per step: leaves whose per-device shard is the whole leaf
+    for x, y in data:
+        lrn.step(batch(x, y), tokens=rows)
+        whole += [str(p) for p, v in jax.tree_util.tree_leaves_with_path(lrn.params)
+                  if v.sharding.shard_shape(v.shape) == v.shape]
+        whole += [f"anchor {s}" for s, pieces in enumerate(lrn._anchor) for a in pieces if len(a.devices()) != 1]
+    lrn.finish()
+    transport.close()
+    save_params(out / f"sharded_learner_{name}.npz", lrn.params)
+    (out / f"sharded_learner_{name}.json").write_text(json.dumps({
+        "whole": whole, "sends": lrn.stats.sends, "bytes_sent": lrn.stats.bytes_sent, "refusals": lrn.stats.refusals,
+        "devices": len(jax.local_devices())}))
+    say(f"learner {name} done sharded")
+
+
+def tests_sharded_loss():
+    from tests.test_decoupled_sharded import mlp_loss
+
+    return mlp_loss
+
+
 def log_pulls() -> None:
     """Print the transfer address of every pull this process makes (``pulled from HOST:PORT``)."""
     real = multiprocess._transfer
@@ -218,6 +305,10 @@ def main() -> None:
             run_syncer(run, out, stop, last=k == len(config["runs"]) - 1)
         elif role == "learner":
             run_learner(run, out)
+        elif role == "sharded_syncer":
+            run_sharded_syncer(run, out, stop)
+        elif role == "sharded_learner":
+            run_sharded_learner(run, out)
         else:
             run_bad(run, out)
         if stop.is_set():

@@ -191,3 +191,36 @@ def test_system_columns_from_a_row():
     md = bench.to_markdown(bench.build_report([row], ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]},
                                               bench.FULL))
     assert "| async 10 Mbit/s | 10,240 | 30.0 | 43% (replayed 1, stale 2) | 1: 2, 2: 1 | 1.0 / 1.0 |" in md
+
+
+def _timed(loop):
+    return [{**_learner(f"learner{i}", 0.9, 1000.0), "started": 1.0, "loop_s": loop, "step_s": 1.0,
+             "wall_s": loop + 1.0, "wait_s": 0.5} for i in range(4)]
+
+
+@pytest.mark.parametrize("lockstep_loop, met", [(14.0, True), (12.0, False)])
+def test_the_straggler_target_compares_system_throughput_with_lock_step_s_straggler_row(lockstep_loop, met):
+    """Async with a straggler against lock-step with the same straggler: all tokens over the time to the last
+    learner's last step, 1.3x or more (the same tokens, 10 s against 14 s: 1.4x; against 12 s: 1.2x)."""
+    raw = [_row("straggler 10 Mbit/s", "straggler", None, 1000.0, 2.0, learners=_timed(10.0)),
+           _row("lock-step straggler 10 Mbit/s", "lockstep-straggler", None, 1000.0, 2.0,
+                learners=_timed(lockstep_loop))]
+    report = bench.build_report(raw, ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]}, bench.FULL)
+    (target,) = [t for t in report["targets"] if "1.3x" in t["target"]]
+    assert target["met"] is met and f"({lockstep_loop / 10.0:.2f}x)" in target["measured"]
+
+
+def test_a_restarted_syncers_record_joins_the_first_ones():
+    """The fault row's syncer, stopped and restarted with --resume: merges, refusals, losses and the curve of both,
+    carried bytes summed, the final state the successor's."""
+    def record(merges, loss, nbytes):
+        return {"merges": merges, "refused": [["a", 0, "stale"]], "lost": [], "versions": [len(merges)],
+                "val_loss": loss, "val_curve": [{"t": 0.0, "val_loss": loss}],
+                "carried": {"contributions": nbytes, "replies": 1, "released": 0, "control": 2,
+                            "welcomes": [[0.0, "x", 5]]}}
+
+    joined = bench.join_syncers(record([[0, 1, ["a"]]], 3.0, 100), record([[0, 2, ["a"]], [0, 3, ["a"]]], 2.0, 50))
+    assert [m[1] for m in joined["merges"]] == [1, 2, 3] and len(joined["refused"]) == 2
+    assert joined["carried"]["contributions"] == 150 and len(joined["carried"]["welcomes"]) == 2
+    assert joined["val_loss"] == 2.0 and [c["val_loss"] for c in joined["val_curve"]] == [3.0, 2.0]
+    assert joined["restarted"] == {"before_versions": [1], "before_val_loss": 3.0}

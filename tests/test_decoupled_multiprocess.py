@@ -45,9 +45,9 @@ def free_address() -> str:
 class Proc:
     """One process of tests/decoupled_procs.py, its output in a log file."""
 
-    def __init__(self, role: str, config: dict, log: Path):
+    def __init__(self, role: str, config: dict, log: Path, devices: int = 1):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
         self.log_path, self.role = log, role
         self._file = log.open("w")
         self.p = subprocess.Popen([sys.executable, "-m", "tests.decoupled_procs", role, json.dumps(config)],

@@ -288,6 +288,8 @@ def test_a_second_contribution_to_one_round_is_refused():
     ({"learners": NAMES, "grace_s": 0.0}, "grace_s"), ({"learners": NAMES, "max_staleness": -1}, "max_staleness"),
     ({"learners": NAMES, "staleness_decay": -0.1}, "staleness_decay"), ({"learners": NAMES, "fragments": 4}, "fragments"),
     ({"learners": NAMES, "outer": "sgd"}, "outer"),
+    ({"learners": NAMES, "grace_s": 5.0, "adaptive_grace": 0.5}, "adaptive_grace"),
+    ({"learners": NAMES, "adaptive_grace": 2.0}, "adaptive_grace"),
 ])
 def test_bad_arguments_raise_naming_the_parameter(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -391,3 +393,23 @@ def test_token_caps_and_norm_bounds_are_checked():
     off = Syncer(init(), learners=NAMES, min_quorum=1, norm_bound=None)
     off.submit(message(off, "x", 0, 0, 1.0, seed=1))
     assert off.submit(scaled(off, "x", 1, 1e30))[0].accepted  # the norm bound turned off: merged
+
+
+def test_the_adaptive_grace_window_follows_the_spread_of_recent_arrivals():
+    """adaptive_grace c = 2: after rounds whose last contribution came 1.0 s and 1.5 s after the first, a round
+    waits min(grace_s, 2 x q90) = 2 x 1.45 = 2.9 s, not grace_s = 10 s; before any round, grace_s."""
+    s = Syncer(init(), learners=NAMES, grace_s=10.0, adaptive_grace=2.0, outer=optax.sgd(1.0))
+    assert s.grace(0) == 10.0
+    for v, (t0, spread) in enumerate([(0.0, 1.0), (20.0, 1.5)]):
+        s.submit(message(s, "x", 0, v, 1.0, seed=3 * v), now=t0)
+        s.submit(message(s, "y", 0, v, 1.0, seed=3 * v + 1), now=t0 + spread / 2)
+        replies = s.submit(message(s, "z", 0, v, 1.0, seed=3 * v + 2), now=t0 + spread)  # the quorum: all three
+        assert len(replies) == 3 and s.versions()[0] == v + 1
+    want = 2.0 * float(np.percentile([1.0, 1.5], 90))
+    assert s.grace(0) == pytest.approx(want)
+    with pytest.raises(ValueError, match="fragment"):
+        s.grace(1)
+    assert s.submit(message(s, "x", 0, 2, 1.0, seed=9), now=100.0) == []
+    assert s.next_deadline() == pytest.approx(100.0 + want)
+    assert s.tick(now=100.0 + want - 0.01) == [] and s.versions()[0] == 2
+    assert [r.learner for r in s.tick(now=100.0 + want)] == ["x"] and s.versions()[0] == 3

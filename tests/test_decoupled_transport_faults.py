@@ -132,3 +132,35 @@ def test_a_merged_fragment_in_transfer_does_not_block_poll_and_a_blocking_poll_w
         released.set()
         lrn.close()
         server.close()
+
+
+def test_the_syncer_binds_its_socket_before_its_transfer_server_takes_a_port(monkeypatch):
+    """The transfer server picks a free port: started first, it could take the port the syncer was asked to bind
+    ("Address already in use").  When it starts, the syncer's port already accepts connections; and a transfer
+    server that cannot start leaves that port free again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    real, seen = multiprocess.transfer_server, []
+
+    def probe(host=None):
+        with socket.socket() as c:
+            seen.append(c.connect_ex(("127.0.0.1", port)))  # 0: something listens on the syncer's port
+        return real(host)
+
+    monkeypatch.setattr(multiprocess, "transfer_server", probe)
+    t = MultiProcessTransport.for_syncer(f"tcp://127.0.0.1:{port}")
+    t.close()
+    assert seen == [0]
+
+    def broken(host=None):
+        raise ValueError("advertise: cannot bind")
+
+    monkeypatch.setattr(multiprocess, "transfer_server", broken)
+    with pytest.raises(ValueError, match="advertise") as failed:  # its traceback keeps the half-built transport
+        MultiProcessTransport.for_syncer(f"tcp://127.0.0.1:{port}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the failed syncer closed its socket: the port is free
+    del failed

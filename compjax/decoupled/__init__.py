@@ -14,6 +14,9 @@ synchronization.  Here each learner runs its own training step and never waits f
 * :class:`Transport` -- what both sides need of the network; :class:`InProcessTransport` runs them
   as threads of one process; :class:`MultiProcessTransport` as separate processes (ZeroMQ control
   frames, arrays over ``jax.experimental.transfer``; needs ``pip install 'compjax[decoupled]'``).
+* :class:`ShardedLearner`, :class:`ShardedSyncer` -- a learner that is itself a sharded program (e.g.
+  an ``fsdp`` mesh of its own devices): its outer gradients leave shard by shard, never gathered on
+  one device, and the syncer merges per shard on the host (:mod:`compjax.decoupled.sharded`).
 * :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :class:`Start` -- where a
   learner starts (:meth:`Syncer.register`: a late join); :func:`message_bytes` -- how a
   contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
@@ -28,9 +31,10 @@ With ``min_quorum`` = all learners, no grace limit and learners that wait for ea
 from compjax.decoupled.learner import Learner, LearnerStats, default_worker_index
 from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.multiprocess import MultiProcessTransport
+from compjax.decoupled.sharded import ShardedLearner, ShardedSyncer, ShardLayout
 from compjax.decoupled.syncer import Syncer
 from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
 
 __all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats",
-           "MultiProcessTransport", "Reply",
+           "MultiProcessTransport", "Reply", "ShardLayout", "ShardedLearner", "ShardedSyncer",
            "Start", "Syncer", "Transport", "default_worker_index", "message_bytes"]

@@ -64,6 +64,9 @@ class Header:
         strictly increasing: one more than its previous one (the first is one more than the
         :class:`Start`'s ``seqs`` entry it began from).  The syncer refuses a contribution whose
         number is at or below the last it took from that learner for the fragment (a replay).
+      shard: which shard of a sharded learner's parameters the arrays hold, in [0, shards)
+        (:mod:`compjax.decoupled.sharded`); 0 for an unsharded learner.
+      shards: how many shards the learner's parameters are split into, >= 1; 1 when unsharded.
     """
 
     learner: str
@@ -75,6 +78,8 @@ class Header:
     dtypes: tuple[str, ...]
     payload_bytes: int
     seq: int
+    shard: int = 0
+    shards: int = 1
 
     def array_bytes(self) -> int:
         """Bytes the declared arrays would take in memory (from ``shapes`` and ``dtypes`` alone).
@@ -126,6 +131,7 @@ class Reply:
       reason: why it was refused ('' when accepted).
       update: the payload arrays of the reply compressor's message of the outer update from
         ``version - 1`` to ``version`` (as :func:`compjax.decoupled.wire.encoder` captures them), or None.
+      shard: the shard of a sharded learner's parameters the values are (:attr:`Header.shard`); 0 when unsharded.
     """
 
     learner: str
@@ -135,6 +141,7 @@ class Reply:
     accepted: bool = True
     reason: str = ""
     update: tuple[np.ndarray, ...] | None = None
+    shard: int = 0
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The arrays the reply carries: ``values``, else ``update``, else none."""

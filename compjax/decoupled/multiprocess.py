@@ -261,7 +261,10 @@ def _offer(arrays, server=None) -> int:
     """Offer ``arrays`` (NumPy or JAX) for one pull on ``server`` (default: this process's first); their transfer id."""
     uuid = secrets.randbits(62)
     device = jax.local_devices()[0]
-    (server or transfer_server()).await_pull(uuid, [jax.device_put(np.asarray(x), device) for x in arrays])
+    # A single-device JAX array (a sharded learner's shard) is offered from its own device: never gathered.
+    (server or transfer_server()).await_pull(uuid, [
+        x if isinstance(x, jax.Array) and len(x.devices()) == 1 else jax.device_put(np.asarray(x), device)
+        for x in arrays])
     return uuid
 
 
@@ -388,8 +391,9 @@ class MultiProcessTransport(Transport):
             else:
                 advertise = local_address_towards(host, port)
         self.advertise = advertise
-        self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
-        self.transfer_address = self._server.address()
+        if role != "syncer":  # (the syncer's starts after its socket is bound, below)
+            self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
+            self.transfer_address = self._server.address()
         self.role, self.name = role, name
         self._max_tokens = None if max_tokens is None else float(max_tokens)  # a learner's declared token cap
         self._heartbeat_s, self._pull_timeout = float(heartbeat_s), float(pull_timeout_s)
@@ -415,6 +419,16 @@ class MultiProcessTransport(Transport):
             self._heard: dict[str, float] = {}  # (CURVE) learner -> when that connection last spoke
             self._sock.bind(address)
             self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            # The transfer server takes a free port only now: it cannot take the port the syncer was asked to bind.
+            try:
+                self._server = transfer_server(advertise)  # raises ValueError if this machine cannot bind it
+            except ValueError:
+                self._sock.close(linger=0)
+                if self._auth is not None:
+                    self._auth.stop()
+                self._ctx.term()
+                raise
+            self.transfer_address = self._server.address()
             self._syncer = None
             self._record: _Record | None = None
             self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
@@ -684,7 +698,7 @@ class MultiProcessTransport(Transport):
         if r is not None and not reply.accepted and r.identity == route and not r.pulled:
             self._release_last()  # a header refused before its pull: the learner drops its offer now
         msg = {"type": "reply", "learner": reply.learner, "fragment": reply.fragment, "version": reply.version,
-               "accepted": reply.accepted, "reason": reply.reason, "uuid": None}
+               "accepted": reply.accepted, "reason": reply.reason, "uuid": None, "shard": reply.shard}
         arrays = reply.arrays()  # the whole values, or the compressed update (``"update": true``)
         if reply.values is not None or reply.update is not None:
             msg.update(uuid=_offer(arrays, self._server), address=self.transfer_address,
@@ -806,7 +820,7 @@ class MultiProcessTransport(Transport):
         uuid = _offer(contribution.values, self._server)
         with self._offers_lock:
             self._offers[uuid] = (tuple(np.shape(v) for v in contribution.values),
-                                  tuple(np.asarray(v).dtype.str for v in contribution.values), h.fragment)
+                                  tuple(np.dtype(v.dtype).str for v in contribution.values), (h.fragment, h.shard))
         self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
                    "address": self.transfer_address})
 
@@ -814,7 +828,7 @@ class MultiProcessTransport(Transport):
         """Let go of the offers of ``fragment``'s unanswered sends (their arrays leave the transfer server)."""
         self._need("learner")
         with self._offers_lock:
-            gone = [(u, o) for u, o in self._offers.items() if o[2] == int(fragment)]
+            gone = [(u, o) for u, o in self._offers.items() if o[2][0] == int(fragment)]
             for u, _ in gone:
                 del self._offers[u]
         for uuid, (shapes, dtypes, _) in gone:  # pull our own offer: the transfer server lets go of the arrays
@@ -848,14 +862,15 @@ class MultiProcessTransport(Transport):
         if msg.get("uuid") is not None:
             values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
                            self._pull_timeout, "pull of a merged fragment")
-        with self._offers_lock:  # this fragment's offers were pulled, or released before this reply
-            for uuid in [u for u, o in self._offers.items() if o[2] == int(msg["fragment"])]:
+        shard = int(msg.get("shard", 0))
+        with self._offers_lock:  # this fragment's (shard's) offers were pulled, or released before this reply
+            for uuid in [u for u, o in self._offers.items() if o[2] == (int(msg["fragment"]), shard)]:
                 del self._offers[uuid]
         update = None
         if msg.get("update"):
             values, update = None, values
         return [Reply(self.name, int(msg["fragment"]), int(msg["version"]), values,
-                      accepted=bool(msg["accepted"]), reason=str(msg["reason"]), update=update)]
+                      accepted=bool(msg["accepted"]), reason=str(msg["reason"]), update=update, shard=shard)]
 
     def poll(self, learner: str, timeout: float | None = 0.0) -> Reply | None:
         """The next reply whose arrays are already local, waiting up to ``timeout`` seconds (None: forever).

@@ -33,6 +33,7 @@ class _Round:
 
     opened: float
     entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness, norm)
+    arrived: list = dataclasses.field(default_factory=list)  # the arrival time of each accepted contribution
 
 
 def _accumulate(acc, decoded, w):
@@ -40,6 +41,8 @@ def _accumulate(acc, decoded, w):
     return [a + w * d.astype(jnp.float32) for a, d in zip(acc, decoded)]
 
 
+#: How many of a fragment's last merged rounds the adaptive grace window reads.
+_SPREAD_HISTORY = 16
 _ACCUMULATE = jax.jit(_accumulate)  # shared by every syncer of the process: one compile per shape
 _SUB = jax.jit(lambda new, old: [n - o for n, o in zip(new, old)])
 
@@ -123,6 +126,20 @@ class Syncer:
     Streaming DiLoCo, Douillard et al. 2025, with fragments): the mean over
     workers, then the outer optimizer.
 
+    **Adaptive grace window** (``adaptive_grace = c``).  Decoupled DiLoCo (arXiv
+    2604.21428) names an adaptive grace window but its rule is not reproduced here; this is a
+    documented rule of compjax's own, driven by the recent spread of arrival times.  For each merged
+    round of fragment ``p`` with two or more contributions the syncer records its *spread*, the time
+    from the round's opening (its first contribution) to its last contribution; a new round of ``p``
+    waits for its quorum at most::
+
+        grace_p = min(grace_s, c · q90(spreads of p's last 16 such rounds))
+
+    (``grace_s`` until there is one): long enough for the arrivals as spread as the recent ones (the
+    90th percentile, times the margin ``c``), never longer than ``grace_s``; a straggler slower than
+    that misses the round instead of holding every learner's reply.  :meth:`grace` reads the current
+    window.
+
     **Bounded influence.**  No single contribution can set or overflow a merge:
 
     * *tokens*: each learner has a cap on the tokens of one contribution, the one it
@@ -198,6 +215,8 @@ class Syncer:
         contribution is refused (default 10); None turns the norm bound off.
       norm_window: how many of a fragment's last merged contribution norms the median is taken
         over, an integer >= 1 (default 16).
+      adaptive_grace: ``c >= 1``, or None (default: the grace window is ``grace_s``): the grace window
+        follows the recent spread of arrivals (see *Adaptive grace window*); needs ``grace_s``, its upper bound.
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -252,6 +271,7 @@ class Syncer:
         max_tokens: float | None = None,
         norm_bound: float | None = 10.0,
         norm_window: int = 16,
+        adaptive_grace: float | None = None,
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -276,6 +296,10 @@ class Syncer:
         if norm_bound is not None:
             check_range("norm_bound", norm_bound, 1.0, None)
         check_range("norm_window", norm_window, 1, None, integer=True, static=True)
+        if adaptive_grace is not None:
+            check_range("adaptive_grace", adaptive_grace, 1.0, None)
+            if grace_s is None:
+                raise ValueError("adaptive_grace needs grace_s (the longest window, > 0), got grace_s=None")
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -286,6 +310,8 @@ class Syncer:
         self.learners = tuple(names)
         self.min_quorum = int(quorum)
         self.grace_s = None if grace_s is None else float(grace_s)
+        self.adaptive_grace = None if adaptive_grace is None else float(adaptive_grace)
+        self._spreads = [collections.deque(maxlen=_SPREAD_HISTORY) for _ in range(int(fragments))]
         self.max_staleness = int(max_staleness)
         self.staleness_decay = float(staleness_decay)
         self.heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
@@ -496,7 +522,8 @@ class Syncer:
     def admit(self, header: Header) -> str:
         """Why the contribution of ``header`` must be refused, from the header alone ('' when admissible).
 
-        Checked in this order: the learner is known; the fragment is an integer in range; the
+        Checked in this order: the learner is known; the fragment is an integer in range; the header
+        is not a shard's (``shard`` 0 of ``shards`` 1: :class:`~compjax.decoupled.ShardedSyncer` takes those); the
         declared arrays are as many as the compressor's message for the fragment holds
         (:meth:`payload_spec`) and their size no larger than that message's (before anything is
         allocated); each declared shape and dtype is the message's; the tokens are positive and finite;
@@ -516,6 +543,9 @@ class Syncer:
         p = header.fragment
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.fragments:
             return f"wrong fragment {p!r}: fragments are 0 to {self.fragments - 1}"
+        if (header.shard, header.shards) != (0, 1):
+            return (f"shard {header.shard!r} of {header.shards!r}: this syncer holds the whole model, not shards "
+                    f"(a sharded learner's syncer is compjax.decoupled.ShardedSyncer)")
         want = self._spec[p]
         if len(header.shapes) != len(want) or len(header.dtypes) != len(want):
             return (f"wrong size: the message of fragment {p} has {len(want)} arrays, the header declares "
@@ -597,6 +627,7 @@ class Syncer:
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
             self._rounds[p].entries[h.learner] = (weight, values, tau, norm)
+            self._rounds[p].arrived.append(now)
             self._last_seq[h.learner][p] = int(h.seq)  # taken: the same number again is a replay
             if len(self._rounds[p].entries) >= self._quorum():
                 return self._merge_round(p, "quorum")
@@ -638,7 +669,7 @@ class Syncer:
                     continue
                 if len(r.entries) >= self._quorum():
                     out += self._merge_round(p, "quorum")
-                elif self.grace_s is not None and now - r.opened >= self.grace_s:
+                elif self.grace_s is not None and now - r.opened >= self._grace(p):
                     out += self._merge_round(p, "grace window")
         return out
 
@@ -647,8 +678,25 @@ class Syncer:
         with self._lock:
             if self.grace_s is None:
                 return None
-            opened = [r.opened for r in self._rounds if r is not None]
-            return min(opened) + self.grace_s if opened else None
+            ends = [r.opened + self._grace(p) for p, r in enumerate(self._rounds) if r is not None]
+            return min(ends) if ends else None
+
+    def grace(self, fragment: int) -> float | None:
+        """The grace window (seconds) a round of ``fragment`` opened now would have; None: no limit.
+
+        Raises:
+          ValueError: ``fragment`` not in [0, fragments).
+        """
+        check_range("fragment", fragment, 0, self.fragments - 1, integer=True, static=True)
+        with self._lock:
+            return self._grace(fragment)
+
+    def _grace(self, p: int) -> float | None:
+        """``grace_s``, or with ``adaptive_grace`` ``c``: ``min(grace_s, c x`` the 90th percentile of the spreads of
+        fragment ``p``'s last merged rounds with 2 or more contributions) (``grace_s`` before there are any)."""
+        if self.grace_s is None or self.adaptive_grace is None or not self._spreads[p]:
+            return self.grace_s
+        return min(self.grace_s, self.adaptive_grace * float(np.percentile(list(self._spreads[p]), 90)))
 
     def _check_payload(self, p: int, values: tuple) -> str:
         want = self._spec[p]
@@ -698,6 +746,8 @@ class Syncer:
     def _merge_round(self, p: int, why: str) -> list[Reply]:
         r = self._rounds[p]
         self._rounds[p] = None
+        if len(r.arrived) >= 2:  # the spread of the arrivals: what the adaptive grace window learns from
+            self._spreads[p].append(max(r.arrived) - r.opened)
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
         new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])

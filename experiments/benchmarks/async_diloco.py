@@ -21,11 +21,16 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
   bit-identical to it; lock-step rows keep whole float32 replies), ``alpha`` 0.5, ``late_reply="wait"`` (a fragment due again before its merge came
   back waits for it: with ``"defer"`` a trial run kept 84-87% goodput at 10 Mbit/s but merged fewer rounds,
   20 of 24, and its global loss was 8% above lock-step's);
-* both at 10 and 100 Mbit/s;
+* both at 10 and 100 Mbit/s, and lock-step on the unshaped loopback (its wait is then stragglers and merges,
+  not the link: with the shaped rows it splits lock-step's loss into link wait and straggler wait);
 * **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
   slower); it stops when the others are done;
+* **lock-step straggler** (10 Mbit/s): the same 2x slower learner in lock-step, taking the same steps as
+  the others (every merge waits for it): the system throughput to compare the straggler row with;
 * **fault** (async, 10 Mbit/s): one learner killed with SIGKILL at 1/3 of its steps, a new one (started,
-  compiled and waiting from the beginning) joins when the others reached 2/3 and takes the last 1/3.
+  compiled and waiting from the beginning) joins when the others reached 2/3 and takes the last 1/3; and
+  the syncer stopped with SIGTERM (its checkpoint) when the others reached 1/2 and restarted through the
+  launcher's own ``--resume`` (its record joins the first syncer's: merges, refusals, carried bytes).
 
 **The link.**  Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN): the rows run inside a fresh network
 namespace (``unshare -n``) whose loopback has a 1500-byte MTU and a token bucket of the row's rate
@@ -52,7 +57,8 @@ protocol's own messages).
 
 **Targets** (the markdown opens with them, each met or not): at 10 Mbit/s every asynchronous learner's
 goodput >= 85% where lock-step's is lower; with the straggler the other learners' tokens/s >= 90% of the
-no-straggler run's; the global validation loss within 2% of lock-step's at the same tokens (10 and 100
+no-straggler run's, and the asynchronous system throughput (all tokens over the time to the last learner's
+last step) >= 1.3x lock-step's with the same straggler; the global validation loss within 2% of lock-step's at the same tokens (10 and 100
 Mbit/s); the fault run's final loss within 3% of the no-fault run's (the two loss targets one-sided: a lower
 loss is within); kernel bytes within 10% of carried + framing.
 
@@ -99,12 +105,14 @@ FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compre
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
 
-#: Rows: name -> (rate, mode).  Modes: lockstep, async, straggler, fault.
+#: Rows: name -> (rate, mode).  Modes: lockstep, lockstep-straggler, async, straggler, fault.
 ROWS = {
+    "lock-step unshaped": ("unshaped", "lockstep"),
     "lock-step 100 Mbit/s": ("100 Mbit/s", "lockstep"),
     "async 100 Mbit/s": ("100 Mbit/s", "async"),
     "lock-step 10 Mbit/s": ("10 Mbit/s", "lockstep"),
     "async 10 Mbit/s": ("10 Mbit/s", "async"),
+    "lock-step straggler 10 Mbit/s": ("10 Mbit/s", "lockstep-straggler"),
     "straggler 10 Mbit/s": ("10 Mbit/s", "straggler"),
     "fault 10 Mbit/s": ("10 Mbit/s", "fault"),
 }
@@ -147,7 +155,8 @@ def _free_address() -> str:
 def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -> dict:
     """One row: start the syncer and the learners, baseline, train, collect; the raw measurements."""
     out = row_dir(work, name)
-    if mode == "lockstep":  # whole float32 replies: the settings that compute cj.diloco's global parameters
+    lockstep = mode.startswith("lockstep")
+    if lockstep:  # whole float32 replies: the settings that compute cj.diloco's global parameters
         settings = {**settings, "reply_compressor": "none"}
     n, steps = settings["learners"], settings["steps"]
     bits = RATES[rate]
@@ -158,7 +167,7 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
         set_rate(None)
     py = [sys.executable, "-m", "experiments.async_diloco"]
     common = [*settings_args(settings), "--address", _free_address(), "--out", str(out)]
-    if mode == "lockstep":
+    if lockstep:
         common.append("--lockstep")
     if args.text:
         common += ["--text", str(args.text)]
@@ -179,6 +188,8 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
             extra += ["--stop-file", str(out / "stop")]
             if i == STRAGGLER:
                 extra += ["--slowdown", "1", "--steps", str(10 * steps)]  # runs until the others are done
+        elif mode == "lockstep-straggler" and i == STRAGGLER:  # the same steps: every merge waits for it
+            extra += ["--slowdown", "1"]
         start("learner", learner_name(i), extra)
     joiner = learner_name(n)
     if mode == "fault":
@@ -215,6 +226,18 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
                                         "others_step": min(_progress(logs[k]) for k in others)}
                 if "killed" in events and "joined" not in events and procs[joiner].poll() is not None:
                     raise RuntimeError(f"{name}: the joiner exited before it joined")
+                if "syncer_stopped" not in events and min(_progress(logs[k]) for k in others) >= steps // 2:
+                    # The syncer killed (SIGTERM: its checkpoint) and restarted through the launcher's --resume.
+                    events["syncer_stopped"] = {"t": time.time() - t_go,
+                                                "others_step": min(_progress(logs[k]) for k in others)}
+                    procs["syncer"].send_signal(signal.SIGTERM)
+                    procs["syncer"].wait(timeout=300)
+                    (out / "syncer.json").rename(out / "syncer-before-restart.json")
+                    logs.pop("syncer").rename(out / "syncer-before-restart.log")
+                    logs["syncer-before-restart"] = out / "syncer-before-restart.log"
+                    procs["syncer-before-restart"] = procs.pop("syncer")
+                    start("syncer", "syncer", ["--resume"])
+                    events["syncer_restarted"] = {"t": time.time() - t_go}
             if mode == "straggler" and "stopped" not in events and all(procs[k].poll() is not None for k in others):
                 (out / "stop").write_text("stop")
                 events["stopped"] = {"learner": learners[STRAGGLER], "t": time.time() - t_go,
@@ -235,6 +258,8 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
                 p.kill()
                 p.wait()
     syncer = json.loads((out / "syncer.json").read_text())
+    if (out / "syncer-before-restart.json").exists():
+        syncer = join_syncers(json.loads((out / "syncer-before-restart.json").read_text()), syncer)
     per = []
     for k in [*learners, *([joiner] if mode == "fault" else [])]:
         path = out / f"{k}.json"
@@ -251,6 +276,17 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
                      "packets": c2["packets"] - c1["packets"] - (c1["packets"] - c0["packets"]) * (t_end - t1) / idle,
                      "dropped": c2["dropped"] - c0["dropped"], "window_s": t_end - t1}
     return row
+
+
+def join_syncers(before: dict, after: dict) -> dict:
+    """One syncer's record from a syncer's and its restarted successor's (``--resume``): merges, refusals, losses
+    and validation curves one after the other, carried bytes summed, the successor's final state."""
+    out = dict(after)
+    for k in ("merges", "refused", "lost", "val_curve"):
+        out[k] = [*before.get(k, []), *after.get(k, [])]
+    out["carried"] = {k: (before["carried"][k] + after["carried"][k]) for k in after["carried"]}
+    out["restarted"] = {"before_versions": before["versions"], "before_val_loss": before["val_loss"]}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,7 +335,7 @@ def summarize(row: dict) -> dict:
     s = row["settings"]
     tokens_per_step = s["batch"] * s["seq_len"]
     live = [r for r in row["learners"] if not r.get("killed")]
-    excluded = {learner_name(STRAGGLER)} if row["mode"] == "straggler" else set()
+    excluded = {learner_name(STRAGGLER)} if row["mode"] == "straggler" else set()  # lock-step: it sets the pace
     main = [r for r in live if r["name"] not in excluded and r["name"] != learner_name(s["learners"])]
     tokens = sum(r["steps"] * tokens_per_step for r in row["learners"])
     c = row["syncer"]["carried"]
@@ -347,7 +383,12 @@ def targets(rows: dict) -> list[dict]:
             f"async min {a10['goodput_min']:.1%} (mean {a10['goodput_mean']:.1%}), lock-step mean "
             f"{l10['goodput_mean']:.1%}",
             a10["goodput_min"] >= 0.85 and l10["goodput_mean"] < a10["goodput_min"])
-    st = rows.get("straggler 10 Mbit/s")
+    st, ls = rows.get("straggler 10 Mbit/s"), rows.get("lock-step straggler 10 Mbit/s")
+    if st and ls:
+        ratio = st["system_tokens_per_s"] / ls["system_tokens_per_s"]
+        add("straggler (one learner 2x slower), 10 Mbit/s: async system throughput >= 1.3x lock-step's",
+            f"{st['system_tokens_per_s']:,.0f} vs {ls['system_tokens_per_s']:,.0f} tokens/s, all tokens over the "
+            f"time to the last learner's last step ({ratio:.2f}x)", ratio >= 1.3)
     if st and a10:
         ratio = st["tokens_per_s_mean"] / a10["tokens_per_s_mean"]
         add("straggler: the others' tokens/s >= 90% of the no-straggler run's",
