@@ -262,6 +262,7 @@ def run_syncer(args) -> dict:
                             quorum_fraction=None if args.lockstep else args.quorum_fraction,
                             grace_s=None if args.lockstep else args.grace_s,
                             adaptive_grace=None if args.lockstep else args.adaptive_grace,
+                            partial_rounds="mean" if args.lockstep else args.partial_rounds,
                             max_staleness=0 if args.lockstep else args.max_staleness,
                             staleness_decay=args.staleness_decay,
                             heartbeat_timeout_s=None if args.lockstep else args.heartbeat_timeout_s,
@@ -466,7 +467,7 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
          "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s),
-         "--reply-compressor", args.reply_compressor]
+         "--reply-compressor", args.reply_compressor, "--partial-rounds", args.partial_rounds]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.quorum_fraction is not None:
@@ -614,6 +615,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--adaptive-grace", type=float, default=None,
                     help="c >= 1: the grace window is min(--grace-s, c x the 90th percentile of recent rounds' "
                          "arrival spreads) (default: the fixed --grace-s)")
+    ap.add_argument("--partial-rounds", choices=("mean", "share"), default="mean",
+                    help="a round merged by part of the live learners moves the model as far as a full one (mean) "
+                         "or by its share of their tokens (share); unused with --lockstep")
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="the stalest contribution accepted, in merges (0: one that missed its round is refused)")
     ap.add_argument("--staleness-decay", type=float, default=0.0, help="a stale contribution weighs exp(-decay tau)")

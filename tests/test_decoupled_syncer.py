@@ -122,6 +122,39 @@ def test_grace_window_merges_what_came():
         np.testing.assert_allclose(g, b - v, rtol=1e-6, atol=1e-6)
 
 
+def test_a_stale_contribution_alone_in_its_round_moves_the_model_by_its_discounted_share():
+    """Quorum 1, decay α: a contribution one merge old merged alone moves the global values by e^{-α} of its
+    outer gradient (a mean over the discounted weights would cancel the discount)."""
+    alpha = 0.5
+    s = Syncer(init(), learners=NAMES, min_quorum=1, max_staleness=1, staleness_decay=alpha, outer=optax.sgd(1.0))
+    s.submit(message(s, "x", 0, 0, 1.0, seed=1))  # merge 1
+    stale = message(s, "y", 0, 0, 3.0, seed=2)  # from version 0: staleness 1
+    before = [v.astype(np.float64) for v in s.fragment_values(0)]
+    s.submit(stale)  # merge 2, alone
+    for g, b, v in zip(s.fragment_values(0), before, leaves(s, stale)):
+        np.testing.assert_allclose(g, b - math.exp(-alpha) * v, rtol=1e-6, atol=1e-6)
+
+
+def test_partial_rounds_share_moves_the_model_by_the_rounds_share_of_the_live_learners_tokens():
+    """partial_rounds='share', sgd(1): a round of 2 of 3 learners moves the global values by its share of the live
+    learners' declared tokens; a learner that left no longer counts; a full round of equal tokens is the mean."""
+    s = Syncer(init(), learners=NAMES, min_quorum=2, partial_rounds="share", outer=optax.sgd(1.0), max_tokens=8.0)
+    s.register("x", max_tokens=2.0), s.register("y", max_tokens=4.0), s.register("z", max_tokens=2.0)
+    mx, my = message(s, "x", 0, 0, 2.0, seed=1), message(s, "y", 0, 0, 4.0, seed=2)
+    before = [v.astype(np.float64) for v in s.fragment_values(0)]
+    s.submit(mx), s.submit(my)  # merge 1: 6 of the live learners' 8 tokens
+    for g, b, vx, vy in zip(s.fragment_values(0), before, leaves(s, mx), leaves(s, my)):
+        np.testing.assert_allclose(g, b - (2.0 * vx + 4.0 * vy) / 8.0, rtol=1e-6, atol=1e-6)
+    s.leave("z")  # gone: the live learners declare 6 tokens, so a round of x and y is whole again
+    mx, my = message(s, "x", 0, 1, 2.0, seed=3), message(s, "y", 0, 1, 4.0, seed=4)
+    before = [v.astype(np.float64) for v in s.fragment_values(0)]
+    s.submit(mx), s.submit(my)
+    for g, b, vx, vy in zip(s.fragment_values(0), before, leaves(s, mx), leaves(s, my)):
+        np.testing.assert_allclose(g, b - (2.0 * vx + 4.0 * vy) / 6.0, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="partial_rounds"):
+        Syncer(init(), learners=NAMES, partial_rounds="half")
+
+
 def test_without_grace_window_a_round_waits_for_its_quorum():
     s = Syncer(init(), learners=NAMES)
     s.submit(message(s, "x", 0, 0, 2.0, seed=1), now=0.0)
@@ -129,7 +162,8 @@ def test_without_grace_window_a_round_waits_for_its_quorum():
 
 
 def test_staleness_rule_discounts_then_refuses():
-    """max_staleness 1, decay α: a contribution one merge old weighs tokens · e^{-α}; two merges old is refused."""
+    """max_staleness 1, decay α: a contribution one merge old weighs tokens · e^{-α} over the undiscounted tokens
+    (the discount shrinks the update, CGAD); two merges old is refused."""
     alpha = 0.7
     s = Syncer(init(), learners=NAMES, min_quorum=2, max_staleness=1, staleness_decay=alpha, outer=optax.sgd(1.0))
     s.submit(message(s, "x", 0, 0, 1.0, seed=1))
@@ -141,7 +175,7 @@ def test_staleness_rule_discounts_then_refuses():
     replies = s.submit(fresh)  # merge 2
     w = np.array([4.0 * math.exp(-alpha), 2.0])
     for g, b, vs, vf in zip(s.fragment_values(0), before, leaves(s, stale), leaves(s, fresh)):
-        np.testing.assert_allclose(g, b - (w[0] * vs + w[1] * vf) / w.sum(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g, b - (w[0] * vs + w[1] * vf) / (4.0 + 2.0), rtol=1e-6, atol=1e-6)
     assert {r.learner for r in replies} == {"x", "z"}
     old = snapshot(s)
     (reply,) = s.submit(message(s, "y", 0, 0, 1.0, seed=5))  # staleness 2 > 1

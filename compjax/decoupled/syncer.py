@@ -32,7 +32,7 @@ class _Round:
     """The contributions of one fragment waiting for their merge."""
 
     opened: float
-    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness, norm)
+    entries: dict = dataclasses.field(default_factory=dict)  # learner -> (weight, values, staleness, norm, tokens)
     arrived: list = dataclasses.field(default_factory=list)  # the arrival time of each accepted contribution
 
 
@@ -90,12 +90,15 @@ class Syncer:
     exponential discount ``e^{−α τ}`` of CGAD, arXiv 2605.09126, taking its
     ``γ(τ) = 1``): a contribution with ``τ_i > max_staleness`` is refused; the
     others weigh ``w_i = n_i · e^{−staleness_decay · τ_i}`` (``staleness_decay =
-    0``: tokens alone).  Contributions wait in the fragment's round; the round
+    0``: tokens alone) and the sum is divided by the undiscounted tokens ``Σ n_i``,
+    so a stale contribution's discount shrinks the outer update itself (CGAD's
+    staleness-scaled update), also when it is alone in its round (a mean over
+    ``Σ w_i`` would cancel the discount of a round's only contribution).  Contributions wait in the fragment's round; the round
     opens with its first accepted contribution and is **merged** as soon as
     ``min_quorum`` learners have contributed, or when ``grace_s`` seconds have
     passed since it opened::
 
-        Δ̄_p   = Σ_i w_i m_i / Σ_i w_i                (token-weighted mean, float32)
+        Δ̄_p   = Σ_i w_i m_i / Σ_i n_i                (token-weighted mean, float32)
         θ^g_p ← θ^g_p + OuterOpt(Δ̄_p)                (default Nesterov SGD, lr 0.7, momentum 0.9)
         v_p   ← v_p + 1
 
@@ -139,6 +142,24 @@ class Syncer:
     90th percentile, times the margin ``c``), never longer than ``grace_s``; a straggler slower than
     that misses the round instead of holding every learner's reply.  :meth:`grace` reads the current
     window.
+
+    **Partial rounds** (``partial_rounds``).  With ``"mean"`` (the default) a round
+    merged by part of the learners moves the global values as far as a full round
+    (the divisor is its own ``Σ n_i``).  When rounds are small and frequent
+    (asynchronous learners out of phase, a quorum below the membership) that applies
+    the outer step, momentum included, once per partial round, several times per
+    period: the model moves several full steps per period and overshoots.  With
+    ``"share"`` the divisor is the tokens the live learners declared per contribution
+    (:meth:`register`'s ``max_tokens``; a learner without a cap counts the round's
+    mean ``n_i``), at least ``Σ n_i``::
+
+        Δ̄_p = Σ_i w_i m_i / max(Σ_i n_i, Σ_{l live} cap_l)
+
+    so a round holding a share of the live learners' tokens moves the model by that
+    share, as an asynchronous Local-SGD server applies each of ``N`` workers' outer
+    gradients at ``1/N`` (Liu et al., "Asynchronous Local-SGD Training for Language
+    Modeling", arXiv 2401.09135, Delayed Nesterov).  A full round of equal tokens
+    is the mean either way, so the rule changes nothing at full quorum.
 
     **Bounded influence.**  No single contribution can set or overflow a merge:
 
@@ -217,6 +238,8 @@ class Syncer:
         over, an integer >= 1 (default 16).
       adaptive_grace: ``c >= 1``, or None (default: the grace window is ``grace_s``): the grace window
         follows the recent spread of arrivals (see *Adaptive grace window*); needs ``grace_s``, its upper bound.
+      partial_rounds: ``"mean"`` (default) or ``"share"`` (see *Partial rounds*): how far a round merged with
+        part of the live learners moves the global values.
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -272,6 +295,7 @@ class Syncer:
         norm_bound: float | None = 10.0,
         norm_window: int = 16,
         adaptive_grace: float | None = None,
+        partial_rounds: str = "mean",
     ):
         names = [str(x) for x in learners]
         if not names or len(set(names)) != len(names):
@@ -300,6 +324,8 @@ class Syncer:
             check_range("adaptive_grace", adaptive_grace, 1.0, None)
             if grace_s is None:
                 raise ValueError("adaptive_grace needs grace_s (the longest window, > 0), got grace_s=None")
+        if partial_rounds not in ("mean", "share"):
+            raise ValueError(f"partial_rounds must be 'mean' or 'share', got {partial_rounds!r}")
         if outer is not None and not isinstance(outer, optax.GradientTransformation):
             raise ValueError(f"outer must be an optax GradientTransformation or None, got {outer!r}")
         if compressor is not None and not isinstance(compressor, optax.GradientTransformation):
@@ -311,6 +337,7 @@ class Syncer:
         self.min_quorum = int(quorum)
         self.grace_s = None if grace_s is None else float(grace_s)
         self.adaptive_grace = None if adaptive_grace is None else float(adaptive_grace)
+        self.partial_rounds = partial_rounds
         self._spreads = [collections.deque(maxlen=_SPREAD_HISTORY) for _ in range(int(fragments))]
         self.max_staleness = int(max_staleness)
         self.staleness_decay = float(staleness_decay)
@@ -626,7 +653,7 @@ class Syncer:
             weight = float(h.tokens) * math.exp(-self.staleness_decay * tau)
             if self._rounds[p] is None:
                 self._rounds[p] = _Round(opened=now)
-            self._rounds[p].entries[h.learner] = (weight, values, tau, norm)
+            self._rounds[p].entries[h.learner] = (weight, values, tau, norm, float(h.tokens))
             self._rounds[p].arrived.append(now)
             self._last_seq[h.learner][p] = int(h.seq)  # taken: the same number again is a replay
             if len(self._rounds[p].entries) >= self._quorum():
@@ -750,7 +777,13 @@ class Syncer:
             self._spreads[p].append(max(r.arrived) - r.opened)
         names = list(r.entries)  # arrival order: the record and the replies
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
-        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order])
+        tokens = [r.entries[k][4] for k in order]
+        total = math.fsum(tokens)
+        if self.partial_rounds == "share":  # the round's share of the live learners' tokens
+            mean = total / len(tokens)
+            live = {k for k in self.learners if k not in self._lost and k not in self._left} | set(order)
+            total = max(total, math.fsum(self._token_cap.get(k) or mean for k in sorted(live)))
+        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order], total)
         if not (_all_finite(new) and _all_finite(outer_state)):
             return self._refuse_round(p, names)
         self._norms[p].extend(r.entries[k][3] for k in order)
@@ -785,9 +818,10 @@ class Syncer:
             self.refused.append((k, p, why))
         return [Reply(k, p, self._version[p], values, accepted=False, reason=why) for k in names]
 
-    def _merge(self, p: int, decoded: list, weights: list) -> tuple[list, Any]:
-        """The token-weighted mean of ``decoded`` (in this order), then the outer step: new values and state."""
-        total = math.fsum(weights)
+    def _merge(self, p: int, decoded: list, weights: list, total: float | None = None) -> tuple[list, Any]:
+        """``sum w_i m_i / total`` of ``decoded`` (in this order; ``total`` the undiscounted tokens ``sum n_i``, or
+        more with ``partial_rounds='share'``; default ``sum w_i``), then the outer step: new values and state."""
+        total = math.fsum(weights) if total is None else total
         acc = [np.zeros(g.shape, np.float32) for g in self._global[p]]
         for d, w in zip(decoded, weights):
             acc = self._accumulate(acc, d, np.float32(w / total))
