@@ -135,22 +135,25 @@ def test_a_stale_contribution_alone_in_its_round_moves_the_model_by_its_discount
         np.testing.assert_allclose(g, b - math.exp(-alpha) * v, rtol=1e-6, atol=1e-6)
 
 
-def test_partial_rounds_share_moves_the_model_by_the_rounds_share_of_the_live_learners_tokens():
-    """partial_rounds='share', sgd(1): a round of 2 of 3 learners moves the global values by its share of the live
-    learners' declared tokens; a learner that left no longer counts; a full round of equal tokens is the mean."""
-    s = Syncer(init(), learners=NAMES, min_quorum=2, partial_rounds="share", outer=optax.sgd(1.0), max_tokens=8.0)
+def test_partial_rounds_share_moves_the_model_by_the_rounds_share_of_the_learners_tokens():
+    """partial_rounds='share', sgd(1): a round of 2 of 3 learners moves the global values by its share of the
+    learners' declared tokens; a learner that left still counts (the tail of a finite run), a lost one does not."""
+    s = Syncer(init(), learners=NAMES, min_quorum=2, partial_rounds="share", outer=optax.sgd(1.0), max_tokens=8.0,
+               heartbeat_timeout_s=1.0)
     s.register("x", max_tokens=2.0), s.register("y", max_tokens=4.0), s.register("z", max_tokens=2.0)
     mx, my = message(s, "x", 0, 0, 2.0, seed=1), message(s, "y", 0, 0, 4.0, seed=2)
     before = [v.astype(np.float64) for v in s.fragment_values(0)]
     s.submit(mx), s.submit(my)  # merge 1: 6 of the live learners' 8 tokens
     for g, b, vx, vy in zip(s.fragment_values(0), before, leaves(s, mx), leaves(s, my)):
         np.testing.assert_allclose(g, b - (2.0 * vx + 4.0 * vy) / 8.0, rtol=1e-6, atol=1e-6)
-    s.leave("z")  # gone: the live learners declare 6 tokens, so a round of x and y is whole again
-    mx, my = message(s, "x", 0, 1, 2.0, seed=3), message(s, "y", 0, 1, 4.0, seed=4)
+    s.leave("y")  # left cleanly: still counted (the tail of a finite run)
+    s.heartbeat("x", now=100.0), s.heartbeat("z", now=0.0), s.tick(now=100.0)  # z silent: lost, not counted
+    assert s.live() == ("x",)
+    mx = message(s, "x", 0, 1, 2.0, seed=3)
     before = [v.astype(np.float64) for v in s.fragment_values(0)]
-    s.submit(mx), s.submit(my)
-    for g, b, vx, vy in zip(s.fragment_values(0), before, leaves(s, mx), leaves(s, my)):
-        np.testing.assert_allclose(g, b - (2.0 * vx + 4.0 * vy) / 6.0, rtol=1e-6, atol=1e-6)
+    s.submit(mx, now=100.0)  # alone (the quorum is 1 now): 2 of the 2 + 4 tokens of x and y
+    for g, b, vx in zip(s.fragment_values(0), before, leaves(s, mx)):
+        np.testing.assert_allclose(g, b - 2.0 * vx / 6.0, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="partial_rounds"):
         Syncer(init(), learners=NAMES, partial_rounds="half")
 
