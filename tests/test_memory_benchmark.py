@@ -323,3 +323,23 @@ def test_tensor_specs_follow_the_logical_rules():
     with pytest.raises(ValueError, match=r"params\['.*dimension \d of size \d+ is sharded over \('tensor',\) of size 3"):
         memory.tensor_specs(params, jax.sharding.AbstractMesh((2, 2, 3), (memory.AXIS, memory.FSDP_AXIS,
                                                                            memory.TENSOR_AXIS)))
+
+
+@pytest.mark.slow  # two compiles on data=2 x fsdp=2 x tensor=2 (~5 s)
+def test_arguments_on_fsdp_x_tensor_are_a_quarter():
+    """Compiled on data=2 x fsdp=2 x tensor=2: each device's arguments (parameters, AdamW moments, its batch rows)
+    are those of the specs' shards, at most a quarter of one worker's whole parameters and state + 5%, for the
+    MaxText-style reference and for data_parallel_step(specs=tensor_specs) alike."""
+    mesh = memory.make_mesh((2, 2, 2))
+    params, _ = memory.abstract_model("tiny")
+    seq = memory.SIZES["tiny"]["seq_len"]
+    for method, layout in ((memory.REFERENCE, memory.REFERENCE_LAYOUT), ("dense", "sharded")):
+        row = memory.measure("tiny", method, layout, mesh)
+        assert row["mesh"] == "2x2x2", row
+        whole = row["param_bytes"] + row["state_bytes"]
+        rows = 2 if layout == memory.REFERENCE_LAYOUT else 1  # the reference's batch is whole over tensor
+        assert row["argument"] <= whole / 4 * 1.05 + rows * (seq + 1) * 4, (row, whole)
+        assert row["argument"] >= whole / 4, (row, whole)
+        assert row["alias"] >= row["argument"] - rows * (seq + 1) * 4 - SLACK  # updated in place
+    with pytest.raises(ValueError, match="replicated"):
+        memory.measure("tiny", "dense", "replicated", mesh)
