@@ -841,7 +841,10 @@ def verdict(result: dict) -> str:
         ts = [t for t in tg if t["target"] == name]
         missed = [t for t in ts if not t["met"]]
         if not missed:
-            parts.append(f"met by all {len(ts)} ({', '.join(t['method'] for t in ts)})")
+            meshes = list(dict.fromkeys(t["mesh"] for t in ts))
+            who = (", ".join(t["method"] for t in ts) if len(meshes) == 1 else "; ".join(
+                f"{', '.join(t['method'] for t in ts if t['mesh'] == m)} on {m}" for m in meshes))
+            parts.append(f"met by all {len(ts)} ({who})")
             continue
         fmt = lambda t: (f"{t['method']} on {t['mesh']} (does not build)" if t["measured"] is None else
                          f"{t['method']} on {t['mesh']} ({t['measured']:.2f})")
