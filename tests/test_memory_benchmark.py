@@ -331,7 +331,6 @@ def test_arguments_on_fsdp_x_tensor_are_a_quarter():
     are those of the specs' shards, at most a quarter of one worker's whole parameters and state + 5%, for the
     MaxText-style reference and for data_parallel_step(specs=tensor_specs) alike."""
     mesh = memory.make_mesh((2, 2, 2))
-    params, _ = memory.abstract_model("tiny")
     seq = memory.SIZES["tiny"]["seq_len"]
     for method, layout in ((memory.REFERENCE, memory.REFERENCE_LAYOUT), ("dense", "sharded")):
         row = memory.measure("tiny", method, layout, mesh)
