@@ -253,3 +253,36 @@ def test_a_leaf_the_hosts_device_count_divides_in_no_dimension_is_seen_whole(nam
     np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs)))
     counted = cj.accounting.bytes_by_axes(cj.audit_collectives(step, sp, ss, jax.device_put(batches[0], rows)), mesh)
     assert counted.get(("data",), 0) * FAST == int(sent[0]), (counted, sent)
+
+
+@pytest.mark.slow
+def test_a_state_laid_out_as_the_optimizer_sees_it_is_kept_so():
+    """An optimizer state laid out as the optimizer sees the parameters (``init_worker_state(specs=)`` with
+    ``shard_view``'s specs: one dimension over both fast axes) is kept so by the step: three donated steps give
+    it back in that layout after one compile, with the numbers of the state laid out by the parameters' specs
+    (1e-6), and the program re-lays out only the parameters and gradients inside the host, not the state."""
+    init, batches = battery_problem()
+    mesh, names = mesh3(), sorted(init)
+    _, view = parallel.placement.shard_view([init[k] for k in names], [TWO_DIMS[k] for k in names],
+                                            ("fsdp", "tensor"), mesh)
+    view = dict(zip(names, view))
+    assert view["w1"] == P(None, ("fsdp", "tensor")) and TWO_DIMS["w1"] == P("fsdp", "tensor")
+    tx = optax.chain(cj.topk(0.1, axis_name="data"), optax.adam(0.01))
+    rows = jax.NamedSharding(mesh, P(("data", "fsdp", "tensor")))
+    out = {}
+    for name, state_specs in (("params", TWO_DIMS), ("view", view)):
+        p = parallel.replicate(init, mesh, specs=TWO_DIMS)
+        s = parallel.init_worker_state(tx, init, mesh, specs=state_specs)
+        given = [x.sharding for x in jax.tree.leaves(s)]
+        step = parallel.data_parallel_step(loss, tx, mesh, specs=TWO_DIMS, donate=True)
+        hlo = step.lower(p, s, jax.device_put(batches[0], rows)).compile().as_text()
+        for b in batches[:3]:
+            p, s, losses = step(p, s, jax.device_put(b, rows))
+        assert step._cache_size() == 1, name
+        assert all(x.sharding.is_equivalent_to(g, x.ndim) for x, g in zip(jax.tree.leaves(s), given)), name
+        moved = sum(hlo.count(f" {op}(") for op in ("all-to-all", "collective-permute", "all-gather"))
+        out[name] = (parallel.gather(p), np.asarray(losses), moved)
+    for k in init:
+        np.testing.assert_allclose(out["view"][0][k], out["params"][0][k], rtol=1e-6, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(out["view"][1], out["params"][1], rtol=1e-6, atol=1e-6)
+    assert out["view"][2] < out["params"][2], (out["view"][2], out["params"][2])

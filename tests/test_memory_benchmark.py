@@ -7,6 +7,7 @@ only trace or read tables (fast tier).
 """
 
 import json
+import math
 
 import jax
 import jax.extend
@@ -180,22 +181,26 @@ def test_mixed_precision_computes_in_bfloat16():
 
 
 def test_plan_meshes_and_sizes():
-    """The default run: 8B on 2 x 4 and 2 x 8, every method sharded; 70B for dense, SparseLoCo and Streaming
-    DiLoCo on at most 64 devices, which the script asks XLA for."""
+    """The default run: 8B on 2 x 4 and 2 x 8 and on the data x fsdp x tensor meshes 2 x 2 x 2 and 2 x 4 x 2,
+    every method sharded; 70B for dense, SparseLoCo and Streaming DiLoCo on 2 x 32 and 2 x 16 x 2: at most 64
+    devices, which the script asks XLA for."""
     configs = memory.plan(list(memory.PLAN))
     by = {(s, m): (ms, lays) for s, m, ms, lays in configs}
     assert set(memory.METHODS) >= {"dense", "topk", "sparseloco", "powersgd", "dgc", "streaming_diloco"}
-    for mesh in ((2, 4), (2, 8)):
+    for mesh in ((2, 4), (2, 8), (2, 2, 2), (2, 4, 2)):
         assert by[("8B", mesh)][0] == tuple(memory.METHODS) and "sharded" in by[("8B", mesh)][1]
-    (big,) = [(m, ms) for s, m, ms, _ in configs if s == "70B"]
-    assert set(big[1]) == {"dense", "sparseloco", "streaming_diloco"}
-    assert big[0][0] * big[0][1] <= 64
-    assert max(s * f for _, (s, f), _, _ in configs) == memory.MAX_DEVICES
+    assert all("replicated" not in lays for _, mesh, _, lays in configs if len(mesh) == 3)
+    big = [(m, ms) for s, m, ms, _ in configs if s == "70B"]
+    assert [m for m, _ in big] == [(2, 32), (2, 16, 2)]
+    assert all(set(ms) == {"dense", "sparseloco", "streaming_diloco"} for _, ms in big)
+    assert max(math.prod(mesh) for _, mesh, _, _ in configs) == memory.MAX_DEVICES
     assert memory.plan(["8B"], ["dense"], [(2, 8)]) == [("8B", (2, 8), ("dense",), ("sharded",))]
+    assert memory.plan(["8B"], ["dense"], [(2, 2, 2)]) == [("8B", (2, 2, 2), ("dense",), ("sharded",))]
     assert memory.plan(["tiny"]) == [("tiny", (memory.SLOW, memory.FAST), tuple(memory.METHODS), memory.LAYOUTS)]
-    assert memory.parse_mesh("2x32") == (2, 32)
-    with pytest.raises(ValueError, match="SLOWxFAST"):
-        memory.parse_mesh("2x")
+    assert memory.parse_mesh("2x32") == (2, 32) and memory.parse_mesh("2x4x2") == (2, 4, 2)
+    for bad in ("2x", "2x2x2x2", "2x0x2"):
+        with pytest.raises(ValueError, match="SLOWxFAST or DATAxFSDPxTENSOR"):
+            memory.parse_mesh(bad)
 
 
 def test_70b_model_count_and_leaf_sizes():
@@ -217,7 +222,7 @@ def test_70b_model_count_and_leaf_sizes():
         for method in memory.FLAT_INDEX_METHODS:
             with pytest.raises(ValueError, match="int32"):
                 memory.measure("70B", method, "sharded", mesh)
-    ((_, (slow, fast), _, _),) = memory.plan(["70B"])
+    ((_, (slow, fast), _, _),) = memory.plan(["70B"], meshes=[(2, 32)])
     mesh = jax.sharding.AbstractMesh((slow, fast), (memory.AXIS, memory.FAST_AXIS))
     specs = jax.tree.leaves(parallel.fsdp_specs(params, mesh, fast_axis=memory.FAST_AXIS),
                             is_leaf=lambda x: isinstance(x, P))
@@ -268,3 +273,72 @@ def test_reference_goes_with_its_layout():
         memory.measure("tiny", memory.REFERENCE, "sharded", mesh)
     with pytest.raises(ValueError, match="layout"):
         memory.measure("tiny", "dense", memory.REFERENCE_LAYOUT, mesh)
+
+
+def _fast_dims(spec) -> list[set]:
+    """The mesh axes each dimension of ``spec`` is split over."""
+    return [set(e if isinstance(e, tuple) else (e,)) - {None} for e in tuple(spec)]
+
+
+def test_tensor_specs_follow_the_logical_rules():
+    """On data=2 x fsdp=2 x tensor=2, every parameter is laid out as MaxText's rules map its logical axes (embed
+    over fsdp; vocab, heads and mlp over tensor; positions and the stacked layers whole): each weight matrix
+    (two dimensions besides the layers and positions) is split over both fast axes, none over the worker axis; each device holds a
+    quarter of the parameters and of AdamW's moments (+5%: the biases over tensor only, AdamW's count)."""
+    params, _ = memory.abstract_model("tiny")
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), (memory.AXIS, memory.FSDP_AXIS, memory.TENSOR_AXIS))
+    specs = memory.tensor_specs(params, mesh)
+    block = specs["blocks"][0]
+    assert block["mlp"]["fc"]["kernel"] == P(None, "fsdp", "tensor")
+    assert block["mlp"]["proj"]["kernel"] == P(None, "tensor", "fsdp")
+    assert block["attn"]["qkv"]["kernel"] == P(None, "fsdp", "tensor") and block["ln1"]["scale"] == P(None, "fsdp")
+    assert specs["tok_embed"]["embedding"] == P("tensor", "fsdp") and specs["head"]["kernel"] == P("fsdp", "tensor")
+    rule = {"embed": {"fsdp"}, "vocab": {"tensor"}, "heads": {"tensor"}, "mlp": {"tensor"}, "seq": set(),
+            "layers": set()}
+    names = jax.tree.leaves(memory.logical_axes(), is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    assert len(leaves) == len(names) == len(jax.tree.leaves(params))
+    matrices = 0
+    for name, spec in zip(names, leaves):
+        dims = _fast_dims(spec)
+        assert dims == [rule[n] for n in name], (name, spec)
+        if sum(n not in ("layers", "seq") for n in name) == 2:  # a weight matrix (positions stay whole)
+            matrices += 1
+            assert set().union(*dims) == {"fsdp", "tensor"}, (name, spec)
+    assert matrices == 2 + 4 * len(params["blocks"])  # embedding, head; qkv, proj, fc, proj of each stack
+    tx = memory.METHODS["dense"](memory.AXIS)
+    state = jax.eval_shape(tx.init, params)
+    sspecs = parallel.state_specs(tx, params, specs, mesh)
+
+    def per_device(tree, tree_specs):
+        out = 0
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(tree_specs, is_leaf=lambda x: isinstance(x, P))):
+            split = math.prod(mesh.shape[a] for d in _fast_dims(s) for a in d)
+            out += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize // split
+        return out
+
+    whole = _nbytes(params) + _nbytes(state)
+    got = per_device(params, specs) + per_device(state, sspecs)
+    assert whole / 4 < got <= whole / 4 * 1.05, (got, whole)
+    with pytest.raises(ValueError, match=r"params\['.*dimension \d of size \d+ is sharded over \('tensor',\) of size 3"):
+        memory.tensor_specs(params, jax.sharding.AbstractMesh((2, 2, 3), (memory.AXIS, memory.FSDP_AXIS,
+                                                                           memory.TENSOR_AXIS)))
+
+
+@pytest.mark.slow  # two compiles on data=2 x fsdp=2 x tensor=2 (~5 s)
+def test_arguments_on_fsdp_x_tensor_are_a_quarter():
+    """Compiled on data=2 x fsdp=2 x tensor=2: each device's arguments (parameters, AdamW moments, its batch rows)
+    are those of the specs' shards, at most a quarter of one worker's whole parameters and state + 5%, for the
+    MaxText-style reference and for data_parallel_step(specs=tensor_specs) alike."""
+    mesh = memory.make_mesh((2, 2, 2))
+    seq = memory.SIZES["tiny"]["seq_len"]
+    for method, layout in ((memory.REFERENCE, memory.REFERENCE_LAYOUT), ("dense", "sharded")):
+        row = memory.measure("tiny", method, layout, mesh)
+        assert row["mesh"] == "2x2x2", row
+        whole = row["param_bytes"] + row["state_bytes"]
+        rows = 2 if layout == memory.REFERENCE_LAYOUT else 1  # the reference's batch is whole over tensor
+        assert row["argument"] <= whole / 4 * 1.05 + rows * (seq + 1) * 4, (row, whole)
+        assert row["argument"] >= whole / 4, (row, whole)
+        assert row["alias"] >= row["argument"] - rows * (seq + 1) * 4 - SLACK  # updated in place
+    with pytest.raises(ValueError, match="replicated"):
+        memory.measure("tiny", "dense", "replicated", mesh)

@@ -10,7 +10,8 @@ layout of ``parallel.worker_step`` on a ``data x fsdp (x tensor)`` mesh:
   devices (``collectives.rows_over_worker_devices``);
 * an embedding lookup (a gather) of a table sharded over ``tensor`` and ``fsdp`` with token ids split over
   the automatic axes: ``worker_step`` now holds each worker's batch whole on its devices when the mesh has
-  several axes besides the worker axis.
+  several axes besides the worker axis, and ``data_parallel_step(specs=)`` over several fast axes holds each
+  worker's chunks whole on them.
 
 Each case compiles and runs one step in a fresh interpreter and fails on a non-zero exit, so an abort fails
 the test instead of killing pytest.  The pure-JAX programs (no compjax) show where XLA stands: the layout
@@ -73,6 +74,26 @@ p, s, loss = parallel.worker_step(lambda p, s, b: own(p, s, b, None, cfg), mesh)
 print("OK", float(loss[0]))
 """
 
+#: The memory benchmark's LM (token embedding by gather, stacked blocks under scan) through
+#: data_parallel_step(specs=) on data=2 x fsdp=2 x tensor=2, every parameter laid out by the logical-axis rules
+#: (the embedding P('tensor', 'fsdp')): the step holds each worker's chunks whole on its devices.
+DATA_PARALLEL_LM = """
+import compjax as cj
+from compjax import parallel
+from experiments.benchmarks import memory
+shapes, loss_fn = memory.abstract_model("tiny", "fp32")
+mesh = memory.make_mesh((2, 2, 2))
+specs = memory.tensor_specs(shapes, mesh)
+rng = np.random.default_rng(0)
+init = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.02, jnp.float32), shapes)
+tx = optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-3))
+p, s = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
+ids = rng.integers(0, memory.TINY_VOCAB, size=(8, memory.SIZES["tiny"]["seq_len"] + 1)).astype(np.int32)
+ids = jax.device_put(ids, NamedSharding(mesh, P(("data", "fsdp", "tensor"))))
+p, s, loss = parallel.data_parallel_step(loss_fn, tx, mesh, specs=specs)(p, s, ids)
+print("OK", float(loss[0]))
+"""
+
 #: Pure JAX: the gradient of an embedding lookup in a partly manual shard_map on data x fsdp x tensor, the
 #: table sharded P('tensor', 'fsdp'), the ids whole on each worker's devices (argv[1] == "whole", compjax's
 #: layout) or split over every device ("split": aborts with jaxlib 0.10.2).
@@ -120,3 +141,10 @@ def test_the_embedding_lookup_with_ids_whole_on_each_worker_compiles():
     """The layout worker_step gives a batch on a mesh of several automatic axes, in plain JAX: it compiles
     (ids split over every device instead abort with jaxlib 0.10.2: ``RAW_GATHER`` with ``split``)."""
     assert_ran(compile_in_subprocess(RAW_GATHER, "whole"))
+
+
+@pytest.mark.slow  # a fresh interpreter and the LM's compile (~15 s on 2 cores)
+def test_the_lm_through_data_parallel_step_over_two_fast_axes_compiles():
+    """data_parallel_step(specs=) with specs over fsdp and tensor on a model with an embedding lookup: one step
+    runs (its chunks split over the host's devices aborted XLA:CPU's partitioner with jaxlib 0.10.2)."""
+    assert_ran(compile_in_subprocess(DATA_PARALLEL_LM))

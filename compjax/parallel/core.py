@@ -181,7 +181,11 @@ def build_sharded_step(
       leaf's own spec (``in_specs`` without the worker axis);
     * ``"b"``: the body gets this worker's rows cut into ``fast`` chunks on a
       new leading axis (``(fast, rows / fast, ...)``, sharded over ``fast``):
-      chunk ``c`` is the rows device ``c`` of the worker's host holds;
+      chunk ``c`` is the rows device ``c`` of the worker's host holds; over
+      several fast axes the chunks are held whole by the host's devices and XLA
+      partitions the loss's activations from there (token ids split over the
+      automatic axes of this partly manual program make XLA:CPU's partitioner
+      abort on an embedding lookup of a table sharded over two axes);
     * ``"k"``: the body gets the ``fast`` keys of the chunks, stacked:
       ``jax.random.fold_in(key, w * fast + c)`` for worker ``w`` and chunk
       ``c``, the key the device holding that chunk would fold on a 2-D mesh.
@@ -253,7 +257,11 @@ def build_sharded_step(
             raise ValueError(f"a batch leaf has {x.shape[0]} rows per worker, not divisible by the {size} devices "
                              f"of the fast axis {fast!r}: put the batch on the mesh with "
                              f"parallel.shard_batch(batch, mesh, fast_axis={fast!r})")
-        return constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), P(fast))
+        # Over several fast axes the chunks are held whole by the host's devices: token ids split over the automatic
+        # axes of this partly manual program make XLA:CPU's SPMD partitioner (jaxlib 0.10.2) abort the process on
+        # an embedding lookup (a gather) of a table sharded over two axes, as in worker_step.
+        spec = P(fast) if len(fast_names(fast)) == 1 else P()
+        return constrain(x.reshape((size, x.shape[0] // size) + x.shape[1:]), spec)
 
     def is_per_device(spec: P) -> bool:
         first = next(iter(spec), None)

@@ -1,14 +1,18 @@
 """Per-device memory of the LM training step from 125M to 65B parameters: compjax's layouts beside a MaxText-style step.
 
-    python -m experiments.benchmarks.memory [--sizes 125M,1B,8B,70B] [--meshes 2x4,2x8,2x32]
+    python -m experiments.benchmarks.memory [--sizes 125M,1B,8B,70B] [--meshes 2x4,2x8,2x32,2x2x2,2x4x2]
         [--methods dense,topk,...] [--precision mixed|fp32] [--no-reference]
     python -m experiments.benchmarks.memory --publish     # the committed results (experiments/results/benchmarks)
 
 Every configuration is compiled ahead of time from abstract inputs
 (``jax.ShapeDtypeStruct`` with a ``NamedSharding``: nothing is allocated) on a
 ``slow x fast`` mesh of simulated CPU devices (``parallel.make_2d_mesh(slow, fast)``:
-``slow`` hosts of ``fast`` devices), and XLA's buffer assignment of the compiled
-step is read back (``compiled.memory_analysis()``, bytes of one device's program).
+``slow`` hosts of ``fast`` devices, FSDP over the fast axis) or on a
+``data x fsdp x tensor`` mesh (``2x2x2``: ``data`` hosts of ``fsdp x tensor``
+devices, every parameter laid out by logical-axis rules as MaxText and Flax's
+LM examples annotate it: :func:`tensor_specs`), and XLA's buffer assignment of
+the compiled step is read back (``compiled.memory_analysis()``, bytes of one
+device's program).
 The script asks XLA for :data:`MAX_DEVICES` simulated devices before JAX starts.
 
 **Model**: the LM testbed's transformer (:class:`experiments.lm.model.CharTransformer`:
@@ -43,14 +47,20 @@ training loop), each device one sequence of 1,024 tokens (``--batch-per-device``
   ``value_and_grad`` + ``optax.adamw`` (dense), the parameters and AdamW
   moments laid out by ``NamedSharding`` FSDP over the fast axis
   (``parallel.fsdp_specs``) and replicated over the slow axis, the batch
-  sharded over both axes; XLA's sharding propagation inserts the gathers and
+  sharded over both axes; on a ``data x fsdp x tensor`` mesh the parameters and
+  moments laid out by :func:`tensor_specs` (over ``fsdp`` and ``tensor``) and
+  the batch over ``data`` and ``fsdp`` (replicated over ``tensor``: tensor
+  parallelism); XLA's sharding propagation inserts the gathers and
   all-reduces the gradients over the slow axis (:func:`reference_step`);
 - :func:`compjax.parallel.data_parallel_step` in two layouts:
   ``replicated`` (the 2-D layout, ``specs=None``, ``fast_axis="fast"``: every
   device holds the whole parameters, optimizer and compressor state) and
   ``sharded`` (FSDP over the fast axis, ``specs=parallel.fsdp_specs(params, mesh)``:
   parameters and state ``P("data", *spec)``, every large leaf split along its
-  largest dimension).
+  largest dimension; on a ``data x fsdp x tensor`` mesh ``specs=tensor_specs(params, mesh)``:
+  a block's ``(layers, d, 4d)`` MLP kernel ``P("data", None, "fsdp", "tensor")``,
+  the batch over all three axes).  The replicated layout runs on ``slow x fast``
+  meshes only.
 
 **Methods** (:data:`METHODS`): ``dense`` (``cj.identity`` then AdamW),
 ``topk`` (``cj.topk(0.01)`` then AdamW), ``sparseloco`` (``cj.sparseloco``:
@@ -64,7 +74,10 @@ outer gradients).
 **Configurations** (:data:`PLAN`, filtered by ``--sizes``, ``--meshes``,
 ``--methods``): 125M, 1B and 8B on ``2 x 4`` (every method, both layouts); 8B
 on ``2 x 8`` (every method, sharded); 70B on ``2 x 32`` (dense, SparseLoCo
-and Streaming DiLoCo, sharded); the reference beside each size and mesh.
+and Streaming DiLoCo, sharded); on ``data x fsdp x tensor`` meshes (sharded by
+:func:`tensor_specs`) 8B on ``2 x 2 x 2`` and ``2 x 4 x 2`` (every method) and
+70B on ``2 x 16 x 2`` (dense, SparseLoCo and Streaming DiLoCo); the reference
+beside each size and mesh.
 
 **Numbers** per configuration (bytes of one device): ``argument`` (parameters,
 optimizer state and the batch), ``output``, ``alias`` (outputs written into
@@ -102,7 +115,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-#: Simulated CPU devices the default run needs: 70B on the 2 x 32 mesh.
+#: Simulated CPU devices the default run needs: 70B on the 2 x 32 and 2 x 16 x 2 meshes.
 MAX_DEVICES = 64
 
 from experiments.cpu_devices import force_cpu_devices
@@ -114,17 +127,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from flax import linen as nn
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import compjax as cj
 from compjax import parallel
+from compjax.parallel.placement import shard_view
 from experiments import config_cli, records
 from experiments.lm import model as lm_model
+from experiments.lm import sharded as lm_sharded
 
 PROG = "python -m experiments.benchmarks.memory"
 SLOW, FAST = 2, 4  # the mesh of sizes outside PLAN (the tests' "tiny") and of the 1B argument target
 AXIS, FAST_AXIS = "data", "fast"
+#: The fast axes of a ``data x fsdp x tensor`` mesh (:func:`make_mesh` with three sizes).
+FSDP_AXIS, TENSOR_AXIS = "fsdp", "tensor"
+#: Logical axis -> mesh axis on a ``data x fsdp x tensor`` mesh: the repository's MaxText-style LM's rules
+#: (:data:`experiments.lm.sharded.RULES`: ``embed -> fsdp``; ``vocab``, ``heads``, ``mlp -> tensor``), and the
+#: stacked layer dimension unsharded.
+RULES = (*lm_sharded.RULES, ("layers", None))
 VOCAB = 32_000
 #: Bytes an accelerator offers: 80 GB.
 DEVICE_BYTES = 80 * 10**9
@@ -172,14 +194,16 @@ LAYOUTS = ("replicated", "sharded")
 FLAT_INDEX_METHODS = ("topk", "dgc")
 #: The method and layout names of the MaxText-style reference step's rows (:func:`reference_step`).
 REFERENCE, REFERENCE_LAYOUT = "reference", "jit"
-#: The default run: size -> ``[((slow, fast), methods (None: all of METHODS), layouts), ...]``; a size
-#: not named here runs every method in both layouts on ``SLOW x FAST``.  Each size and mesh also gets the
-#: reference step's row.
-PLAN: dict[str, list[tuple[tuple[int, int], tuple[str, ...] | None, tuple[str, ...]]]] = {
+#: The default run: size -> ``[(mesh, methods (None: all of METHODS), layouts), ...]``, a mesh ``(slow, fast)``
+#: or ``(data, fsdp, tensor)`` (:func:`make_mesh`); a size not named here runs every method in both layouts on
+#: ``SLOW x FAST``.  Each size and mesh also gets the reference step's row.
+PLAN: dict[str, list[tuple[tuple[int, ...], tuple[str, ...] | None, tuple[str, ...]]]] = {
     "125M": [((2, 4), None, LAYOUTS)],
     "1B": [((2, 4), None, LAYOUTS)],
-    "8B": [((2, 4), None, LAYOUTS), ((2, 8), None, ("sharded",))],
-    "70B": [((2, 32), ("dense", "sparseloco", "streaming_diloco"), ("sharded",))],
+    "8B": [((2, 4), None, LAYOUTS), ((2, 8), None, ("sharded",)), ((2, 2, 2), None, ("sharded",)),
+           ((2, 4, 2), None, ("sharded",))],
+    "70B": [((2, 32), ("dense", "sparseloco", "streaming_diloco"), ("sharded",)),
+            ((2, 16, 2), ("dense", "sparseloco", "streaming_diloco"), ("sharded",))],
 }
 #: XLA:CPU compiled for speed of compilation: LLVM at its lowest effort and the older (non-MLIR) fusion
 #: emitters.  The HLO passes and buffer assignment ``memory_analysis`` reads are unchanged: arguments, outputs
@@ -233,6 +257,128 @@ def init_shapes(vocab: int, *, d_model: int, n_layers: int, n_heads: int, seq_le
         "ln_f": ln(),
         "head": {"kernel": s(d, vocab)},
     }
+
+
+def logical_axes(groups: int = 1) -> dict:
+    """The logical axis names of every parameter of :func:`init_shapes` (same tree), one ``PartitionSpec`` each.
+
+    Named as the repository's MaxText-style LM (:mod:`experiments.lm.sharded`)
+    and Flax's LM examples name them: ``vocab`` (token rows of the embedding,
+    columns of the head), ``embed`` (the residual width ``d``), ``heads`` (the
+    attention's ``3d`` query/key/value outputs and the ``d`` inputs of its
+    output projection: heads times their width), ``mlp`` (the ``4d`` hidden
+    width), ``seq`` (positions) and ``layers`` (the stacked block dimension)::
+
+        tok_embed/embedding ('vocab', 'embed')      head/kernel ('embed', 'vocab')
+        attn/qkv/kernel ('layers', 'embed', 'heads')  attn/proj/kernel ('layers', 'heads', 'embed')
+        mlp/fc/kernel ('layers', 'embed', 'mlp')      mlp/proj/kernel ('layers', 'mlp', 'embed')
+        biases ('layers', <output>), LayerNorms ('layers', 'embed'), ln_f ('embed',), pos_embed ('seq', 'embed')
+
+    Args:
+      groups: the number of stacked block groups (``SIZES[size]['groups']``).
+
+    Returns:
+      A dict with :func:`init_shapes`' structure, a ``PartitionSpec`` of logical names per leaf.
+    """
+    ln = lambda *lead: {"scale": P(*lead, "embed"), "bias": P(*lead, "embed")}
+    dense = lambda din, dout: {"kernel": P("layers", din, dout), "bias": P("layers", dout)}
+    return {
+        "tok_embed": {"embedding": P("vocab", "embed")},
+        "pos_embed": {"embedding": P("seq", "embed")},
+        "blocks": [{"ln1": ln("layers"), "attn": {"qkv": dense("embed", "heads"), "proj": dense("heads", "embed")},
+                    "ln2": ln("layers"), "mlp": {"fc": dense("embed", "mlp"), "proj": dense("mlp", "embed")}}
+                   for _ in range(groups)],
+        "ln_f": ln(),
+        "head": {"kernel": P("embed", "vocab")},
+    }
+
+
+def tensor_specs(params: dict, mesh, rules: tuple = RULES) -> dict:
+    """The parameters' ``PartitionSpec`` on a ``data x fsdp x tensor`` mesh: :func:`logical_axes` mapped by ``rules``.
+
+    The mapping is Flax's (``flax.linen.logical_to_mesh``, as MaxText maps its
+    logical axes): with :data:`RULES` a block's ``(layers, d, 4d)`` MLP
+    kernel is ``P(None, 'fsdp', 'tensor')``, the embedding ``(vocab, d)``
+    ``P('tensor', 'fsdp')``, the head ``(d, vocab)`` ``P('fsdp', 'tensor')``,
+    a LayerNorm's ``(layers, d)`` ``P(None, 'fsdp')``.  Mesh axes the mesh
+    lacks or of size 1 are dropped (no worker axis: the specs are one
+    worker's, as ``data_parallel_step(specs=)`` takes them).
+
+    Args:
+      params: :func:`init_shapes`' tree (arrays or ``jax.ShapeDtypeStruct``).
+      mesh: a ``Mesh`` or ``AbstractMesh`` with the axes ``rules`` name.
+      rules: ``(logical name, mesh axis or None)`` pairs, in order of precedence.
+
+    Returns:
+      A tree like ``params`` of ``PartitionSpec`` over the mesh's axes.
+
+    Raises:
+      ValueError: ``params`` is not :func:`init_shapes`' tree, or a mesh axis does not divide the dimension the
+        rules shard over it (naming the leaf, the dimension and the axis).
+    """
+    names = logical_axes(len(params.get("blocks", ())) or 1)
+    if jax.tree.structure(names, is_leaf=_is_spec) != jax.tree.structure(params):
+        raise ValueError("params must be init_shapes()'s tree, got another structure: "
+                         f"{jax.tree.structure(params)}")
+    specs = nn.logical_to_mesh(names, rules)
+    keep = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+
+    def trim(path, x, spec):
+        out = []
+        for dim, (n, entry) in enumerate(zip(x.shape, tuple(spec))):
+            axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in keep)
+            size = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+            if n % size:
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: dimension {dim} of size {n} is sharded over "
+                                 f"{axes} of size {size}, which does not divide it")
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*out)
+
+    return jax.tree_util.tree_map_with_path(trim, params, specs)
+
+
+def optimizer_view(params: dict, specs: dict, mesh) -> dict:
+    """How ``data_parallel_step(specs=)`` 's optimizer sees parameters laid out by :func:`tensor_specs`.
+
+    Every sharded leaf cut along one dimension over ``fsdp`` and ``tensor``
+    together (:func:`compjax.parallel.placement.shard_view`): a block's
+    ``(layers, d, 4d)`` MLP kernel ``P(None, ('fsdp', 'tensor'), None)``.  The
+    benchmark lays compjax's optimizer state out by these specs
+    (``parallel.state_specs(tx, params, optimizer_view(...), mesh)``): the
+    step keeps a state that arrives so, and re-lays out only the parameters
+    and gradients at the optimizer's boundary, not the whole state in and out
+    of every step (8B dense on ``2 x 2 x 2``: 21.0 GiB of temporaries with the
+    state laid out as the parameters, 6.5 GiB so).
+
+    Returns:
+      A tree like ``params`` of ``PartitionSpec``.
+    """
+    leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    fast = tuple(a for a in (FSDP_AXIS, TENSOR_AXIS) if a in mesh.axis_names)
+    _, view = shard_view(params, leaves, fast, mesh)
+    return jax.tree.unflatten(jax.tree.structure(params), view)
+
+
+def make_mesh(shape: tuple[int, ...]):
+    """The mesh of a configuration: ``(slow, fast)`` -> :func:`compjax.parallel.make_2d_mesh` (axes ``data``,
+    ``fast``); ``(data, fsdp, tensor)`` -> a mesh of :data:`AXIS`, :data:`FSDP_AXIS`, :data:`TENSOR_AXIS`,
+    axes of type ``Auto`` (the sharded step leaves the fast axes to XLA's sharding propagation) on the first
+    ``data * fsdp * tensor`` devices.
+
+    Raises:
+      ValueError: ``shape`` has neither two nor three sizes.
+    """
+    shape = tuple(int(n) for n in shape)
+    if len(shape) == 2:
+        return parallel.make_2d_mesh(*shape)
+    if len(shape) != 3:
+        raise ValueError(f"a mesh shape is (slow, fast) or (data, fsdp, tensor), got {shape!r}")
+    return jax.make_mesh(shape, (AXIS, FSDP_AXIS, TENSOR_AXIS), axis_types=(AxisType.Auto,) * 3,
+                         devices=jax.devices()[: math.prod(shape)])
+
+
+def _mesh_name(mesh) -> str:
+    return "x".join(str(n) for n in mesh.shape.values())
 
 
 def _layer_norm(x, p, eps=1e-6):  # flax.nnx.LayerNorm's default epsilon
@@ -398,7 +544,8 @@ def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixe
         :func:`reference_step` with dense AdamW).
       layout: ``"replicated"`` (``specs=None``), ``"sharded"`` (``parallel.fsdp_specs``), or
         :data:`REFERENCE_LAYOUT` for the reference.
-      mesh: a ``slow x fast`` mesh (:func:`compjax.parallel.make_2d_mesh`), axes ``"data"`` and ``"fast"``.
+      mesh: a ``slow x fast`` mesh (:func:`compjax.parallel.make_2d_mesh`), axes ``"data"`` and ``"fast"``, or
+        a ``data x fsdp x tensor`` one (:func:`make_mesh`; layouts ``"sharded"`` and the reference's only).
       precision: one of :data:`PRECISIONS` (see :func:`abstract_model`).
       batch_per_device: sequences of ``seq_len + 1`` tokens per device.
       vocab: vocabulary size (see :func:`abstract_model`).
@@ -413,8 +560,9 @@ def measure(size: str, method: str, layout: str, mesh, *, precision: str = "mixe
       included; 0 in the replicated one), ``fits``, ``lower_s`` and ``compile_s``.
 
     Raises:
-      ValueError: an unknown ``layout`` or ``method``, the reference's method with another layout, or a
-        method of :data:`FLAT_INDEX_METHODS` on a model with a leaf of 2**31 elements or more.
+      ValueError: an unknown ``layout`` or ``method``, the reference's method with another layout, the
+        replicated layout on a ``data x fsdp x tensor`` mesh, or a method of :data:`FLAT_INDEX_METHODS` on a
+        model with a leaf of 2**31 elements or more.
     """
     built = build(size, method, layout, mesh, precision=precision, batch_per_device=batch_per_device, vocab=vocab)
     t0 = time.perf_counter()
@@ -463,25 +611,33 @@ def build(size: str, method: str, layout: str, mesh, *, precision: str = "mixed"
                          f"{largest:,} elements (2**31 or more): split the blocks into more SIZES[{size!r}]['groups']")
     tx = _adamw() if method == REFERENCE else METHODS[method](AXIS)
     state = jax.eval_shape(tx.init, params)
-    slow, fast = mesh.shape[AXIS], mesh.shape[FAST_AXIS]
+    tensor = FSDP_AXIS in mesh.axis_names  # a data x fsdp x tensor mesh
+    if tensor and layout == "replicated":
+        raise ValueError(f"layout 'replicated' runs on a slow x fast mesh only, got a mesh of axes {mesh.axis_names}:"
+                         " take layout 'sharded'")
+    fast_axes = (FSDP_AXIS, TENSOR_AXIS) if tensor else (FAST_AXIS,)
+    slow, fast = mesh.shape[AXIS], math.prod(mesh.shape[a] for a in fast_axes)
     seq = SIZES[size]["seq_len"]
-    batch_spec = P((AXIS, FAST_AXIS))
-    batch = jax.ShapeDtypeStruct((slow * fast * batch_per_device, seq + 1), jnp.int32,
-                                 sharding=NamedSharding(mesh, batch_spec))
-    if layout == REFERENCE_LAYOUT:
-        specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
+    rows = slow * fast * batch_per_device
+    batch_spec = P((AXIS, *fast_axes))
+    if layout == REFERENCE_LAYOUT and tensor:  # tensor parallelism: each tensor group shares its rows
+        batch_spec = P((AXIS, FSDP_AXIS))
+    batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32, sharding=NamedSharding(mesh, batch_spec))
+    batch_bytes = _tree_bytes(batch) // math.prod(mesh.shape[a] for a in batch_spec[0])  # one device's rows
+    if layout in (REFERENCE_LAYOUT, "sharded"):
+        specs = tensor_specs(params, mesh) if tensor else parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
         sspecs = parallel.state_specs(tx, params, specs, mesh)
+        if tensor and layout == "sharded":  # compjax's state laid out as its optimizer sees it: no re-layout
+            sspecs = parallel.state_specs(tx, params, optimizer_view(params, specs, mesh), mesh)
+        whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + batch_bytes
+    if layout == REFERENCE_LAYOUT:
         p_in, s_in = _structs(params, specs, mesh), _structs(state, sspecs, mesh)
-        whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + _tree_bytes(batch) // (slow * fast)
         step = reference_step(loss_fn, tx, mesh, specs, sspecs, batch_spec)
     elif layout == "sharded":
-        specs = parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
-        sspecs = parallel.state_specs(tx, params, specs, mesh)
         stacked = lambda tree: jax.tree.map(lambda s: P(AXIS, *tuple(s)), tree, is_leaf=_is_spec)
         p_in, s_in = _structs(params, stacked(specs), mesh, slow), _structs(state, stacked(sspecs), mesh, slow)
-        whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + _tree_bytes(batch) // (slow * fast)
-        step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=FAST_AXIS, specs=specs,
-                                           donate=True)
+        step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=None if tensor else FAST_AXIS,
+                                           specs=specs, donate=True)
     else:
         spec = P((AXIS, FAST_AXIS))
         p_in = _structs(params, jax.tree.map(lambda _: spec, params), mesh, slow * fast)
@@ -489,7 +645,7 @@ def build(size: str, method: str, layout: str, mesh, *, precision: str = "mixed"
         whole_bytes = 0
         step = parallel.data_parallel_step(loss_fn, tx, mesh, axis_name=AXIS, fast_axis=FAST_AXIS, donate=True)
     row = {
-        "size": size, "mesh": f"{slow}x{fast}", "method": method, "layout": layout, "precision": precision,
+        "size": size, "mesh": _mesh_name(mesh), "method": method, "layout": layout, "precision": precision,
         "params": int(sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(params))),
         "param_bytes": _tree_bytes(params), "state_bytes": _tree_bytes(state), "whole_state_bytes": whole_bytes,
     }
@@ -504,25 +660,26 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {first}{at}"
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``"2x4"`` -> ``(2, 4)``.
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x4"`` -> ``(2, 4)`` (slow x fast); ``"2x2x2"`` -> ``(2, 2, 2)`` (data x fsdp x tensor).
 
     Raises:
-      ValueError: not two positive integers joined by ``x``.
+      ValueError: not two or three positive integers joined by ``x``.
     """
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"a mesh is written SLOWxFAST with positive integers, e.g. 2x4; got {text!r}")
-    return int(parts[0]), int(parts[1])
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a mesh is written SLOWxFAST or DATAxFSDPxTENSOR with positive integers, e.g. 2x4 or "
+                         f"2x2x2; got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
-def plan(sizes, methods=None, meshes=None) -> list[tuple[str, tuple[int, int], tuple[str, ...], tuple[str, ...]]]:
-    """The configurations to run: ``[(size, (slow, fast), methods, layouts), ...]`` from :data:`PLAN`.
+def plan(sizes, methods=None, meshes=None) -> list[tuple[str, tuple[int, ...], tuple[str, ...], tuple[str, ...]]]:
+    """The configurations to run: ``[(size, mesh, methods, layouts), ...]`` from :data:`PLAN`.
 
     Args:
       sizes: keys of :data:`SIZES`; one outside :data:`PLAN` runs on ``SLOW x FAST``, every method, both layouts.
       methods: keep only these methods of each entry (None: all).
-      meshes: keep only these ``(slow, fast)`` meshes (None: all of each size's).
+      meshes: keep only these meshes, ``(slow, fast)`` or ``(data, fsdp, tensor)`` (None: all of each size's).
 
     Returns:
       One tuple per size and mesh that has a method left, in :data:`PLAN`'s order of meshes.
@@ -547,21 +704,21 @@ def run(configs, *, precision: str = "mixed", batch_per_device: int = 1, referen
     (the exception's type and first line) and no byte counts.
     """
     rows = []
-    for size, (slow, fast), methods, layouts in configs:
-        mesh = parallel.make_2d_mesh(slow, fast)
+    for size, shape, methods, layouts in configs:
+        mesh = make_mesh(shape)
         todo = [(REFERENCE, REFERENCE_LAYOUT)] if reference else []
         todo += [(m, lay) for m in methods for lay in layouts]
         for method, lay in todo:
             try:
                 row = measure(size, method, lay, mesh, precision=precision, batch_per_device=batch_per_device)
             except Exception as e:  # noqa: BLE001 - recorded in the row, not hidden: the configuration does not build
-                row = {"size": size, "mesh": f"{slow}x{fast}", "method": method, "layout": lay,
+                row = {"size": size, "mesh": _mesh_name(mesh), "method": method, "layout": lay,
                        "precision": precision, "error": _describe(e)}
             rows.append(row)
             if log and "error" in row:
-                log(f"{size} {slow}x{fast} {method} {lay}: fails: {row['error']}")
+                log(f"{size} {row['mesh']} {method} {lay}: fails: {row['error']}")
             elif log:
-                log(f"{size} {slow}x{fast} {method} {lay}: argument {row['argument'] / GIB:.2f} GiB, temp "
+                log(f"{size} {row['mesh']} {method} {lay}: argument {row['argument'] / GIB:.2f} GiB, temp "
                     f"{row['temp'] / GIB:.2f} GiB, peak {row['peak'] / GIB:.2f} GiB, compile {row['compile_s']:.1f} s")
     return add_ratios(rows)
 
@@ -579,8 +736,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-#: Targets of the sharded layout (the published configuration: mixed precision): (name, size, mesh).
-FIT_SIZE, FIT_MESH = "8B", "2x4"
+#: Targets of the sharded layout (the published configuration: mixed precision): the size and the meshes of
+#: 8 devices they are checked on (FSDP over 4 devices, and the same 4 as fsdp x tensor).
+FIT_SIZE, FIT_MESHES = "8B", ("2x4", "2x2x2")
 BIG_SIZE, BIG_METHODS = "70B", ("sparseloco", "streaming_diloco")
 REFERENCE_BOUND, TEMP_BOUND = 1.10, 0.25
 
@@ -589,7 +747,7 @@ def targets(rows: list[dict], size: str = "1B") -> list[dict]:
     """The targets the sharded layout is built for, checked on the rows present.
 
     - sharded ``size`` argument bytes per device <= replicated / fast + 5%, every method (on ``SLOW x FAST``);
-    - at :data:`FIT_SIZE` on :data:`FIT_MESH`, sharded: every method's peak fits (<= :data:`DEVICE_BYTES`),
+    - at :data:`FIT_SIZE` on each of :data:`FIT_MESHES`, sharded: every method's peak fits (<= :data:`DEVICE_BYTES`),
       dense's peak <= :data:`REFERENCE_BOUND` x the reference's, every method's temporaries <=
       :data:`TEMP_BOUND` x its arguments;
     - at :data:`BIG_SIZE`, sharded, on whatever mesh was run: SparseLoCo and Streaming DiLoCo fit.
@@ -615,17 +773,17 @@ def targets(rows: list[dict], size: str = "1B") -> list[dict]:
         add(f"sharded {size} argument bytes <= replicated / {FAST} + 5%", r,
             r["argument"] / rep["argument"] if ok else None, 1.05 / FAST, mesh)
     for (s, mesh, m, lay), r in by.items():
-        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded"):
+        if s == FIT_SIZE and mesh in FIT_MESHES and lay == "sharded":
             add(f"{FIT_SIZE} sharded peak GiB <= {DEVICE_BYTES / GIB:.1f}", r, r.get("peak", 0) / GIB,
                 DEVICE_BYTES / GIB, mesh)
     for (s, mesh, m, lay), r in by.items():
-        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded") and m == "dense":
+        if s == FIT_SIZE and mesh in FIT_MESHES and lay == "sharded" and m == "dense":
             ref = by.get((s, mesh, REFERENCE, REFERENCE_LAYOUT))
             ok = "error" not in r and ref is not None and "error" not in ref
             add(f"{FIT_SIZE} dense sharded peak / reference peak <= {REFERENCE_BOUND:.2f}", r,
                 r["peak"] / ref["peak"] if ok else None, REFERENCE_BOUND, mesh)
     for (s, mesh, m, lay), r in by.items():
-        if (s, mesh, lay) == (FIT_SIZE, FIT_MESH, "sharded"):
+        if s == FIT_SIZE and mesh in FIT_MESHES and lay == "sharded":
             add(f"{FIT_SIZE} sharded temporaries / arguments <= {TEMP_BOUND:.2f}", r, r.get("temp_vs_argument"),
                 TEMP_BOUND, mesh)
     for (s, mesh, m, lay), r in by.items():
@@ -683,7 +841,10 @@ def verdict(result: dict) -> str:
         ts = [t for t in tg if t["target"] == name]
         missed = [t for t in ts if not t["met"]]
         if not missed:
-            parts.append(f"met by all {len(ts)} ({', '.join(t['method'] for t in ts)})")
+            meshes = list(dict.fromkeys(t["mesh"] for t in ts))
+            who = (", ".join(t["method"] for t in ts) if len(meshes) == 1 else "; ".join(
+                f"{', '.join(t['method'] for t in ts if t['mesh'] == m)} on {m}" for m in meshes))
+            parts.append(f"met by all {len(ts)} ({who})")
             continue
         fmt = lambda t: (f"{t['method']} on {t['mesh']} (does not build)" if t["measured"] is None else
                          f"{t['method']} on {t['mesh']} ({t['measured']:.2f})")
@@ -718,7 +879,13 @@ def markdown(result: dict) -> str:
          "from `compiled.memory_analysis()` (XLA:CPU's buffer assignment; temporaries on GPU/TPU differ"
          f"{_flags_text(result['machine'].get('xla_flags'))}).  "
          "Reference: a MaxText-style step for the same model (plain `jax.jit`, parameters and AdamW moments "
-         "`NamedSharding`-sharded over the fast axis, batch over both axes, dense AdamW, no compjax).  "),
+         "`NamedSharding`-sharded over the fast axis, batch over both axes, dense AdamW, no compjax"
+         + ("; on a `data x fsdp x tensor` mesh the parameters (the reference's and compjax's) and the reference's "
+            "AdamW moments laid out by logical-axis rules, `embed` over `fsdp`, `vocab`, `heads` and `mlp` over "
+            "`tensor` (`tensor_specs`), compjax's optimizer state as its optimizer sees the parameters (each "
+            "sharded leaf cut along one dimension over `fsdp` and `tensor` together, `optimizer_view`), the "
+            "reference's batch over `data` and `fsdp`, compjax's over all three axes"
+            if any(r["mesh"].count("x") == 2 for r in rows) else "") + ").  "),
         (f"Load average before {', '.join(f'{x:.2f}' for x in load.get('before', []))}, after "
          f"{', '.join(f'{x:.2f}' for x in load.get('after', []))}; run took {result.get('wall_s', 0):.0f} s "
          f"({result.get('cpu_s', 0):.0f} s of CPU time)."),
@@ -763,7 +930,8 @@ def main(argv=None) -> dict:
     p = config_cli.OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(PLAN), help=f"comma-separated, of {list(SIZES)}")
     p.add_argument("--meshes", default=None,
-                   help="comma-separated SLOWxFAST meshes to keep of each size's (default: all of PLAN's)")
+                   help="comma-separated SLOWxFAST or DATAxFSDPxTENSOR meshes to keep of each size's "
+                        "(default: all of PLAN's)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
     p.add_argument("--precision", default="mixed", choices=PRECISIONS,
                    help="mixed: float32 master parameters and state, bfloat16 compute and gradients; fp32: all float32")
@@ -790,7 +958,7 @@ def main(argv=None) -> dict:
     configs = plan(sizes, methods, meshes)
     if not configs:
         p.error("no configuration left: --sizes, --meshes and --methods select nothing of PLAN")
-    need = max(s * f for _, (s, f), _, _ in configs)
+    need = max(math.prod(shape) for _, shape, _, _ in configs)
     if jax.device_count() < need:
         p.error(f"needs {need} devices, found {jax.device_count()} "
                 f"(XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts)")
