@@ -57,13 +57,13 @@ def test_targets_from_rows():
     assert rows["async 10 Mbit/s"]["kernel_ratio"] == pytest.approx(1.0)  # welcomes before t_go left out
     met = lambda words: next(t for t in report["targets"] if words in t["target"])["met"]
     assert met("goodput") is True  # 88% >= 85%, lock-step's 50% lower
-    assert met("straggler") is True  # 950 / 1000 tokens/s
+    assert met("straggler: the others") is True  # 950 / 1000 tokens/s
     assert met("fault run") is False  # 2.10 / 2.03 = +3.4%
     assert met("kernel bytes") is False  # the straggler row's 3100 / 2760
     loss10, loss100 = (t for t in report["targets"] if "validation loss" in t["target"])
     assert loss10["met"] is True and "+1.5%" in loss10["measured"]
     assert loss100["met"] is True and "-5.0%" in loss100["measured"]  # one-sided: a lower loss is within
-    assert len(report["targets"]) == 6
+    assert len(report["targets"]) == 8  # the refusal target twice: the async and the straggler rows
     md = bench.to_markdown(report)
     assert "| target | measured | met |" in md and "| fault 10 Mbit/s |" in md
 
@@ -208,6 +208,21 @@ def test_the_straggler_target_compares_system_throughput_with_lock_step_s_stragg
     report = bench.build_report(raw, ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]}, bench.FULL)
     (target,) = [t for t in report["targets"] if "1.3x" in t["target"]]
     assert target["met"] is met and f"({lockstep_loop / 10.0:.2f}x)" in target["measured"]
+
+
+@pytest.mark.parametrize("refused, singles, met", [(1, 1, True), (2, 1, False), (0, 3, False)])
+def test_the_refusal_target_counts_refused_contributions_and_merges_with_several_contributors(refused, singles, met):
+    """At most 10% of the contributions received refused, and more than half of the merges with 2 or more
+    contributors: 3 merges of 3 contributors (9) and ``singles`` merges of one, plus ``refused`` refusals."""
+    row = _row("straggler 10 Mbit/s", "straggler", None, 1000.0, 2.0, learners=_timed(10.0))
+    row["syncer"]["merges"] = ([[0, v, ["learner0", "learner1", "learner2"]] for v in range(3)]
+                               + [[1, v, ["learner3"]] for v in range(singles)])
+    row["syncer"]["refused"] = [["learner3", 1, "stale: staleness 3 > max_staleness 2"]] * refused
+    report = bench.build_report([row], ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]}, bench.FULL)
+    (target,) = [t for t in report["targets"] if "refused" in t["target"]]
+    received = 9 + singles + refused
+    assert target["met"] is met
+    assert f"{refused / received:.1%} refused; 3 of {3 + singles} merges" in target["measured"]
 
 
 def test_a_restarted_syncers_record_joins_the_first_ones():
