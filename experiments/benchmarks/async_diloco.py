@@ -196,7 +196,8 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
             extra += ["--slowdown", "1"]
         start("learner", learner_name(i), extra)
     joiner = learner_name(n)
-    if mode == "fault":
+    joiner_runs = mode == "fault" and "learner" in args.fault_parts
+    if joiner_runs:
         start("learner", joiner, ["--index", str(n), "--join-file", str(out / "join"), "--steps",
                                   str(steps - (2 * steps) // 3)])
     events: dict = {}
@@ -216,21 +217,23 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
         others = [k for i, k in enumerate(learners) if not (mode == "straggler" and i == STRAGGLER)]
         if mode == "fault":
             others = [k for i, k in enumerate(learners) if i != VICTIM]
-        while any(procs[k].poll() is None for k in [*learners, *([joiner] if mode == "fault" else [])]):
+        while any(procs[k].poll() is None for k in [*learners, *([joiner] if joiner_runs else [])]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: longer than {args.row_timeout_s} s")
             if mode == "fault":
                 victim = learners[VICTIM]
-                if "killed" not in events and _progress(logs[victim]) >= steps // 3:
+                if "learner" in args.fault_parts and "killed" not in events and _progress(logs[victim]) >= steps // 3:
                     procs[victim].send_signal(signal.SIGKILL)
                     events["killed"] = {"learner": victim, "t": time.time() - t_go, "step": _progress(logs[victim])}
-                if "joined" not in events and min(_progress(logs[k]) for k in others) >= (2 * steps) // 3:
+                if (joiner_runs and "joined" not in events
+                        and min(_progress(logs[k]) for k in others) >= (2 * steps) // 3):
                     (out / "join").write_text("join")
                     events["joined"] = {"learner": joiner, "t": time.time() - t_go,
                                         "others_step": min(_progress(logs[k]) for k in others)}
-                if "killed" in events and "joined" not in events and procs[joiner].poll() is not None:
+                if joiner_runs and "killed" in events and "joined" not in events and procs[joiner].poll() is not None:
                     raise RuntimeError(f"{name}: the joiner exited before it joined")
-                if "syncer_stopped" not in events and min(_progress(logs[k]) for k in others) >= steps // 2:
+                if ("syncer" in args.fault_parts and "syncer_stopped" not in events
+                        and min(_progress(logs[k]) for k in others) >= steps // 2):
                     # The syncer killed (SIGTERM: its checkpoint) and restarted through the launcher's --resume.
                     events["syncer_stopped"] = {"t": time.time() - t_go,
                                                 "others_step": min(_progress(logs[k]) for k in others)}
@@ -265,7 +268,7 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
     if (out / "syncer-before-restart.json").exists():
         syncer = join_syncers(json.loads((out / "syncer-before-restart.json").read_text()), syncer)
     per = []
-    for k in [*learners, *([joiner] if mode == "fault" else [])]:
+    for k in [*learners, *([joiner] if joiner_runs else [])]:
         path = out / f"{k}.json"
         if path.exists():
             per.append(json.loads(path.read_text()))
@@ -562,6 +565,9 @@ def main(argv=None) -> int:
     ap.add_argument("--text", type=Path, default=None, help="train on this text file (default: Tiny Shakespeare)")
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of the idle baseline per row")
     ap.add_argument("--row-timeout-s", type=float, default=900.0, help="the longest a row may take")
+    ap.add_argument("--fault-parts", choices=("learner,syncer", "learner", "syncer"), default="learner,syncer",
+                    help="the faults the fault row plants (a diagnostic: the published row plants both): the learner "
+                         "killed and the joiner, the syncer stopped and restarted, or both")
     ap.add_argument("--wait-load", type=float, default=None, metavar="L",
                     help="first wait (at most --wait-max-s) until the 1-minute load average is below L")
     ap.add_argument("--wait-max-s", type=float, default=1200.0)
@@ -594,7 +600,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="async-diloco-") as tmp:
         result = Path(tmp) / "raw.json"
         cmd = [sys.executable, "-m", "experiments.benchmarks.async_diloco", "--inside", "--result", str(result),
-               "--idle-s", str(args.idle_s), "--row-timeout-s", str(args.row_timeout_s)]
+               "--idle-s", str(args.idle_s), "--row-timeout-s", str(args.row_timeout_s),
+               "--fault-parts", args.fault_parts]
         cmd += ["--quick"] if args.quick else ["--shape", "--rows", *args.rows]
         if args.text:
             cmd += ["--text", str(args.text.resolve())]
