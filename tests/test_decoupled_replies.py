@@ -159,6 +159,30 @@ def test_the_reply_codec_state_is_checkpointed(tmp_path):
     assert any(np.any(np.asarray(x) != 0) for x in residual)  # e3m0's error feedback on the replies travelled
 
 
+def test_the_first_merge_of_each_fragment_after_a_restore_replies_with_whole_values(tmp_path):
+    """After a restore every fragment's next merge sends its contributors the whole values (their anchors set right
+    once), and the merge after that the compressed update again."""
+    params0 = init_params()
+
+    def submit(s, k):
+        delta = np.concatenate([np.ravel(v) * 0.013 * (k + 1) for v in s.fragment_values(0)]).astype(np.float32)
+        h = Header("a", 0, k, 8.0, k, (delta.shape,), ("<f4",), delta.nbytes, k + 1)
+        (reply,) = s.submit(Contribution(h, (delta,)))
+        return reply
+
+    s = Syncer(params0, learners=["a"], outer=optax.sgd(1.0), reply_compressor=cj.cast(jnp.bfloat16))
+    assert submit(s, 0).update is not None
+    s.save(tmp_path, 1)
+    t = Syncer(params0, learners=["a"], outer=optax.sgd(1.0), reply_compressor=cj.cast(jnp.bfloat16))
+    t.restore(tmp_path)
+    first = submit(t, 1)
+    assert first.update is None and first.values is not None
+    for a, b in zip(first.values, t.fragment_values(0)):
+        np.testing.assert_array_equal(a, b)
+    second = submit(t, 2)
+    assert second.update is not None and second.values is None
+
+
 def test_reply_compressor_must_be_a_compressor():
     with pytest.raises(ValueError, match="reply_compressor"):
         Syncer(init_params(), learners=["a"], reply_compressor="bfloat16")
