@@ -163,8 +163,10 @@ class Syncer:
     So a round holding a share of the learners' tokens moves the model by that
     share, as an asynchronous Local-SGD server applies each of ``N`` workers' outer
     gradients at ``1/N`` (Liu et al., "Asynchronous Local-SGD Training for Language
-    Modeling", arXiv 2401.09135, Delayed Nesterov).  A full round of equal tokens
-    is the mean either way, so the rule changes nothing at full quorum.
+    Modeling", arXiv 2401.09135).  Only the outer gradient is scaled: the outer
+    optimizer's momentum still steps at every merge (their Delayed Nesterov, which
+    applies it once per ``N`` contributions, is not implemented).  A full round of
+    equal tokens is the mean either way, so the rule changes nothing at full quorum.
 
     **Bounded influence.**  No single contribution can set or overflow a merge:
 
@@ -244,7 +246,7 @@ class Syncer:
       adaptive_grace: ``c >= 1``, or None (default: the grace window is ``grace_s``): the grace window
         follows the recent spread of arrivals (see *Adaptive grace window*); needs ``grace_s``, its upper bound.
       partial_rounds: ``"mean"`` (default) or ``"share"`` (see *Partial rounds*): how far a round merged with
-        part of the live learners moves the global values.
+        part of the learners (those not lost) moves the global values.
 
     Attributes:
       learners: the names of the known learners (a tuple; :meth:`register` appends).
@@ -785,7 +787,7 @@ class Syncer:
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
         tokens = [r.entries[k][4] for k in order]
         total = math.fsum(tokens)
-        if self.partial_rounds == "share":  # the round's share of the live learners' tokens
+        if self.partial_rounds == "share":  # the round's share of the declared tokens of the learners not lost
             mean = total / len(tokens)
             members = {k for k in self.learners if k not in self._lost} | set(order)  # those that left included
             total = max(total, math.fsum(self._token_cap.get(k) or mean for k in sorted(members)))
