@@ -184,7 +184,7 @@ def run_syncer(args) -> dict:
     import numpy as np
     import optax
 
-    from compjax.decoupled import MultiProcessTransport, Syncer, Transport
+    from compjax.decoupled import MultiProcessTransport, Syncer, Transport, delayed_nesterov
     from experiments.lm import data
     from experiments.lm.train import make_evaluator
 
@@ -257,7 +257,8 @@ def run_syncer(args) -> dict:
     if "compressor" in inspect.signature(Syncer).parameters:  # a syncer that decodes the learners' payloads
         extra["compressor"] = make_compressor(args.compressor)
     syncer = CountingSyncer(params, learners=names, fragments=args.fragments, **extra,
-                            outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
+                            outer=(delayed_nesterov(args.outer_lr, 0.9) if args.outer == "delayed"
+                                   else optax.sgd(args.outer_lr, momentum=0.9, nesterov=True)),
                             min_quorum=None if args.quorum_fraction else quorum(args),
                             quorum_fraction=None if args.lockstep else args.quorum_fraction,
                             grace_s=None if args.lockstep else args.grace_s,
@@ -431,7 +432,8 @@ def run_learner(args) -> dict:
               "goodput_with_drain": st.step_seconds / wall if wall > 0 else float("nan"), "drain_s": wall - t_loop,
               "tokens_per_s": learner.count * tokens_per_step / t_loop if t_loop > 0 else float("nan"),
               "bytes_sent": list(st.bytes_sent), "sends": list(st.sends), "delays": [list(d) for d in st.delays],
-              "refusals": [list(r) for r in st.refusals], "start_versions": list(start.versions),
+              "refusals": [list(r) for r in st.refusals], "resent": list(st.resent),
+              "start_versions": list(start.versions),
               "final_train_loss": float(np.mean(losses[-args.log_every:])) if losses else None}
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     say(f"learner {name} done: {learner.count} steps, goodput {result['goodput']:.3f}, "
@@ -467,7 +469,10 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--seed", str(args.seed), "--out", str(args.out),
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
          "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s),
-         "--reply-compressor", args.reply_compressor, "--partial-rounds", args.partial_rounds]
+         "--reply-compressor", args.reply_compressor, "--partial-rounds", args.partial_rounds,
+         "--outer", args.outer]
+    if args.compilation_cache:
+        a += ["--compilation-cache", str(args.compilation_cache)]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.quorum_fraction is not None:
@@ -606,6 +611,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=64, help="characters per window")
     ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR",
+                    help="JAX's persistent compilation cache in DIR: a restarted syncer (--resume) or learner "
+                         "reuses the programs compiled before instead of compiling them again")
+    ap.add_argument("--outer", choices=("nesterov", "delayed"), default="nesterov",
+                    help="the syncer's outer optimizer: Nesterov SGD (momentum 0.9), or Delayed Nesterov "
+                         "(compjax.decoupled.delayed_nesterov: the momentum steps once per full round's share of "
+                         "tokens; the same as nesterov when every round is full)")
     ap.add_argument("--min-quorum", type=int, default=None, help="contributions that merge a round (default N - 1, at least 2)")
     ap.add_argument("--quorum-fraction", type=float, default=None,
                     help="instead of --min-quorum: the quorum is this fraction of the live learners (follows joins, "
@@ -673,6 +685,11 @@ def main(argv=None) -> int:
     if args.address is None:
         raise ValueError("--address is needed for a single role (the syncer's endpoint, tcp://HOST:PORT)")
     args.out = args.out or str(RUNS / "roles")
+    if args.compilation_cache:  # JAX's persistent cache: a restarted process reuses the compiled programs
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.role == "syncer":
         run_syncer(args)
     else:

@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import compjax as cj
-from compjax.decoupled import InProcessTransport, Learner, Syncer
+from compjax.decoupled import InProcessTransport, Learner, Reply, Syncer
+from compjax.decoupled.messages import RESTARTED
 
 LR = 0.1
 
@@ -204,3 +205,34 @@ def test_with_late_reply_drop_a_learner_trains_on_while_the_syncer_is_down_and_g
     assert s.versions() == [1] and [r[2][:5] for r in s.refused] == ["stale"]  # the second, from version 0
     with pytest.raises(ValueError, match="reply_timeout_s"):
         Learner("a", sgd_step, init(), (), transport, sync_every=1, late_reply="drop")
+
+
+def test_a_send_lost_with_a_syncer_restart_is_sent_again_and_the_inner_steps_are_kept():
+    """A restarted syncer's refusal at the learner's anchor version (its checkpoint had every merge the learner
+    saw): no mix, the inner steps since the anchor stay, and the send lost with the restart goes again at the next
+    step with its tokens (the same outer gradient: nothing moved).  At another version the learner mixes in the
+    restored values as for a stale refusal and sends nothing extra."""
+    transport = InProcessTransport(["a"])
+    lrn = Learner("a", sgd_step, init(), (), transport, sync_every=2, alpha=0.5, max_tokens=100.0)
+    lrn.step(1.0, tokens=8.0)
+    lrn.step(1.0, tokens=8.0)  # fragment 0 sent: 16 tokens from version 0
+    first = transport.receive(timeout=30)
+    sent = [np.asarray(v) for v in first.pull()]
+    params = [np.asarray(x).copy() for x in jax.tree.leaves(lrn.params)]
+    lrn._use(Reply("a", 0, 0, lrn.anchor(0), accepted=False, reason=f"{RESTARTED}: resuming at versions [0]"))
+    for a, b in zip(jax.tree.leaves(lrn.params), params):
+        np.testing.assert_array_equal(np.asarray(a), b)  # not mixed with the anchor
+    assert lrn.stats.resent == [1]
+    lrn.step(1.0, tokens=8.0)  # the lost send goes first, then the step
+    again = transport.receive(timeout=30)
+    assert again is not None and again.header.tokens == 16.0 and again.header.base_version == 0
+    assert again.header.seq == first.header.seq + 1
+    for a, b in zip(again.pull(), sent):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(lrn.params)]
+    ahead = tuple(np.asarray(v) + np.float32(1.0) for v in lrn.anchor(0))
+    lrn._use(Reply("a", 0, 3, ahead, accepted=False, reason=f"{RESTARTED}: resuming at versions [3]"))
+    assert lrn.versions() == [3] and lrn.stats.resent == [1]
+    for a, b in zip(jax.tree.leaves(lrn.params), before):
+        assert not np.array_equal(np.asarray(a), b)  # mixed in: 0.5 x + 0.5 (the restored values)
+    lrn._sender.shutdown(wait=True)

@@ -237,3 +237,26 @@ def test_a_quorum_fraction_follows_the_live_membership():
     for bad in ({"quorum_fraction": 0.0}, {"quorum_fraction": 1.5}, {"quorum_fraction": 0.5, "min_quorum": 2}):
         with pytest.raises(ValueError, match="quorum_fraction"):
             Syncer(init(), learners=["a", "b"], **bad)
+
+
+def test_a_restored_syncer_keeps_who_was_lost_or_gone_and_the_declared_token_caps(tmp_path):
+    """Lost (silent past the time-out) and gone (goodbye) learners stay out of the quorum after a restore until
+    they are heard from again, and a learner's declared token cap still bounds its contributions."""
+    s = Syncer(init(), learners=["a", "b", "c"], heartbeat_timeout_s=5.0, max_tokens=100.0)  # quorum: all live
+    s.register("a", max_tokens=40.0, now=0.0)
+    s.heartbeat("b", now=0.0)
+    s.heartbeat("c", now=0.0)
+    s.heartbeat("a", now=4.0)
+    s.heartbeat("b", now=4.0)
+    s.tick(now=6.0)  # c silent for 6 s: lost
+    s.leave("b", now=6.0)
+    assert s.live() == ("a",)
+    s.save(tmp_path / "ckpt", step=1)
+    fresh = Syncer(init(), learners=["a", "b", "c"], heartbeat_timeout_s=5.0, max_tokens=100.0)
+    fresh.restore(tmp_path / "ckpt")
+    assert fresh.live() == ("a",)
+    over = fresh.submit(message(fresh, "a", 0, 0, 50.0, seed=1))  # above a's declared 40
+    assert [r.accepted for r in over] == [False] and fresh.versions() == [0]
+    assert [r.learner for r in fresh.submit(message(fresh, "a", 0, 0, 40.0, seed=2))] == ["a"]  # a alone: merged
+    fresh.heartbeat("c")  # back
+    assert fresh.live() == ("a", "c")

@@ -17,6 +17,8 @@ synchronization.  Here each learner runs its own training step and never waits f
 * :class:`ShardedLearner`, :class:`ShardedSyncer` -- a learner that is itself a sharded program (e.g.
   an ``fsdp`` mesh of its own devices): its outer gradients leave shard by shard, never gathered on
   one device, and the syncer merges per shard on the host (:mod:`compjax.decoupled.sharded`).
+* :func:`delayed_nesterov` -- the outer optimizer for asynchronous merges of part of the learners:
+  Nesterov momentum that steps once per full round's share of tokens (Liu et al. 2024).
 * :class:`Header`, :class:`Contribution`, :class:`Reply` -- the messages; :class:`Start` -- where a
   learner starts (:meth:`Syncer.register`: a late join); :func:`message_bytes` -- how a
   contribution's bytes are counted (the compressor's message size, :func:`compjax.message_bytes`).
@@ -31,10 +33,11 @@ With ``min_quorum`` = all learners, no grace limit and learners that wait for ea
 from compjax.decoupled.learner import Learner, LearnerStats, default_worker_index
 from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
 from compjax.decoupled.multiprocess import MultiProcessTransport
+from compjax.decoupled.outer import DelayedNesterovState, delayed_nesterov
 from compjax.decoupled.sharded import ShardedLearner, ShardedSyncer, ShardLayout
 from compjax.decoupled.syncer import Syncer
 from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
 
-__all__ = ["Contribution", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats",
+__all__ = ["Contribution", "DelayedNesterovState", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats",
            "MultiProcessTransport", "Reply", "ShardLayout", "ShardedLearner", "ShardedSyncer",
-           "Start", "Syncer", "Transport", "default_worker_index", "message_bytes"]
+           "Start", "Syncer", "Transport", "default_worker_index", "delayed_nesterov", "message_bytes"]

@@ -18,7 +18,7 @@ import optax
 from compjax._checks import check_range
 from compjax.algorithms.diloco import fragment_assignment
 from compjax.decoupled import wire
-from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
+from compjax.decoupled.messages import Contribution, Header, RESTARTED, Reply, Start, message_bytes
 from compjax.decoupled.transport import Transport
 from compjax.workers import is_key
 
@@ -67,6 +67,7 @@ class LearnerStats:
       step_seconds: wall seconds inside the training step (results awaited).
       wait_seconds: wall seconds spent blocked on the syncer's replies.
       abandoned: per fragment, the sends given up without a reply (``late_reply="drop"``).
+      resent: per fragment, the sends lost with a syncer's restart and sent again.
     """
 
     bytes_sent: list[int]
@@ -76,6 +77,7 @@ class LearnerStats:
     step_seconds: float = 0.0
     wait_seconds: float = 0.0
     abandoned: list[int] = dataclasses.field(default_factory=list)
+    resent: list[int] = dataclasses.field(default_factory=list)
 
 
 class Learner:
@@ -297,12 +299,13 @@ class Learner:
         if start is not None:
             self._begin_at(start)
         self._tokens = [0.0] * len(self._index)
+        self._sent_tokens = [0.0] * len(self._index)  # per fragment: the tokens its unanswered send covers
         self._outstanding: dict[int, int] = {}  # fragment -> inner step of its send
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{name}")
         self._sends: list[concurrent.futures.Future] = []
         P = len(self._index)
         self.stats = LearnerStats(bytes_sent=[0] * P, sends=[0] * P, delays=[[] for _ in range(P)],
-                                  abandoned=[0] * P)
+                                  abandoned=[0] * P, resent=[0] * P)
 
     @property
     def fragments(self) -> int:
@@ -451,7 +454,9 @@ class Learner:
         tokens = self._tokens[p] if self.max_tokens is None else min(self._tokens[p], self.max_tokens)
         job = self._sender.submit(self._ship, p, self._version[p], tokens, self.count, payload, skipped,
                                   self._comm[p], self._seq[p])
+        self._sent_tokens[p] = self._tokens[p]
         self._tokens[p] = 0.0
+        self._deferred.discard(p)  # sent now: not again after its reply
         self._outstanding[p] = self.count
         self._sent_at[p] = time.monotonic()
         self.stats.sends[p] += 1
@@ -526,6 +531,20 @@ class Learner:
                                self.name, p, reply.version, why)
                 return
             new = list(self._reply_apply[p](self._anchor[p], tuple(reply.update)))
+        if (not reply.accepted and reply.reason.startswith(RESTARTED) and reply.values is not None
+                and int(reply.version) == self._version[p]):
+            # A restarted syncer at this anchor's version: the anchor is its global model, so the inner steps
+            # since then are still an outer gradient from it.  Keep the parameters (no mix) and, if a send was
+            # lost with the restart, send the fragment again, its tokens included (as a deferred send).
+            self._anchor[p] = [jnp.asarray(v, dtype=a.dtype) for v, a in zip(new, self._anchor[p])]
+            if sent_at is not None:
+                self._tokens[p] += self._sent_tokens[p]
+                self._sent_tokens[p] = 0.0
+                self._deferred.add(p)
+                self.stats.resent[p] += 1
+                logger.warning("learner %r: fragment %d's send was lost with the syncer's restart; sending it again",
+                               self.name, p)
+            return
         if sent_at is not None:
             self.stats.delays[p].append(self.count - sent_at)
         self._anchor[p] = new

@@ -10,6 +10,10 @@ import numpy as np
 
 from compjax import accounting
 
+#: How the reason of a restarted syncer's refusals starts (one per fragment, carrying its restored global
+#: values and versions): a learner whose anchor is at that version keeps its parameters and sends again.
+RESTARTED = "syncer restarted"
+
 
 def message_bytes(comm_state: Any) -> int:
     """The bytes one contribution counts: the compressor's message size after it encoded the message.

@@ -59,7 +59,7 @@ import jax
 import numpy as np
 
 from compjax._checks import check_range
-from compjax.decoupled.messages import Contribution, Header, Reply, Start
+from compjax.decoupled.messages import Contribution, Header, RESTARTED, Reply, Start
 from compjax.decoupled.transport import Incoming, Transport
 
 logger = logging.getLogger("compjax.decoupled")
@@ -854,7 +854,7 @@ class MultiProcessTransport(Transport):
     def _replies_of(self, msg: dict) -> list[Reply]:
         if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
             start = self._start_of(msg)
-            why = f"syncer restarted: resuming from its global model at versions {list(start.versions)}"
+            why = f"{RESTARTED}: resuming from its global model at versions {list(start.versions)}"
             logger.warning("learner %r: %s", self.name, why)
             return [Reply(self.name, p, v, vals, accepted=False, reason=why)
                     for p, (vals, v) in enumerate(zip(start.values, start.versions))]

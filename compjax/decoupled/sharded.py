@@ -351,7 +351,7 @@ class ShardedLearner:
         self._seq = 0
         self._tokens = 0.0
         self._outstanding: dict[int, int] = {}  # shard -> inner step of its send
-        self.stats = LearnerStats(bytes_sent=[0], sends=[0], delays=[[]], abandoned=[0])
+        self.stats = LearnerStats(bytes_sent=[0], sends=[0], delays=[[]], abandoned=[0], resent=[0])
 
     def start_from(self, start: Start) -> None:
         """Set every shard's parameters, anchor and version to ``start``'s (:meth:`ShardedSyncer.register`'s:

@@ -62,10 +62,11 @@ def _all_finite(tree) -> bool:
     return True
 
 
-def _outer_step(outer_tx, anchor, outer_state, mean):
-    """One outer step from the mean outer gradient (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``)."""
+def _outer_step(outer_tx, anchor, outer_state, mean, share):
+    """One outer step from the mean outer gradient (DiLoCo's: ``θ ← θ + OuterOpt(Δ̄)``); ``share``, the merge's share
+    of a full round, is passed as an extra argument (:func:`compjax.decoupled.delayed_nesterov` reads it)."""
     mean = [m.astype(a.dtype) for m, a in zip(mean, anchor)]
-    step, outer_state = outer_tx.update(mean, outer_state, anchor)
+    step, outer_state = outer_tx.update(mean, outer_state, anchor, share=share)
     return optax.apply_updates(list(anchor), step), outer_state
 
 
@@ -163,10 +164,13 @@ class Syncer:
     So a round holding a share of the learners' tokens moves the model by that
     share, as an asynchronous Local-SGD server applies each of ``N`` workers' outer
     gradients at ``1/N`` (Liu et al., "Asynchronous Local-SGD Training for Language
-    Modeling", arXiv 2401.09135).  Only the outer gradient is scaled: the outer
-    optimizer's momentum still steps at every merge (their Delayed Nesterov, which
-    applies it once per ``N`` contributions, is not implemented).  A full round of
-    equal tokens is the mean either way, so the rule changes nothing at full quorum.
+    Modeling", arXiv 2401.09135).  Only the outer gradient is scaled: a momentum
+    optimizer such as the default one still steps its momentum at every merge; pass
+    ``outer=``:func:`~compjax.decoupled.delayed_nesterov` to step it once per full
+    round's share of tokens (their Delayed Nesterov; each merge's share,
+    ``min(1, Σ n_i / Σ cap_l)``, reaches the outer optimizer as the extra argument
+    ``share``).  A full round of equal tokens is the mean either way, so the rule
+    changes nothing at full quorum.
 
     **Bounded influence.**  No single contribution can set or overflow a merge:
 
@@ -221,7 +225,11 @@ class Syncer:
       compressor: the learners' compressor (``axis_name=None``), which decodes their
         payloads, or None for :func:`compjax.identity` (the learners' default: float32).
       outer: the outer optimizer (an optax transformation); default
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's).  Its ``update`` is given the merge's share
+        of a full round as the extra argument ``share`` (1.0 with ``partial_rounds="mean"``); transforms that take
+        no extra arguments ignore it.  With ``partial_rounds="share"``,
+        :func:`~compjax.decoupled.delayed_nesterov` steps the momentum once per full round's share (Delayed
+        Nesterov, Liu et al. 2024) instead of at every partial merge.
       min_quorum: contributions that trigger a merge, in [1, len(learners)];
         default all learners.
       quorum_fraction: in (0, 1], or None (default): the quorum follows the live membership,
@@ -349,7 +357,9 @@ class Syncer:
         self.max_staleness = int(max_staleness)
         self.staleness_decay = float(staleness_decay)
         self.heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
-        self._outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+        # Extra arguments (the merge's share) reach the transforms that take them; others ignore them.
+        self._outer_tx = optax.with_extra_args_support(
+            optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer)
         leaves, self._treedef = jax.tree.flatten(params)
         self._others = [np.array(x, copy=True) for x in leaves]  # never-synchronized leaves, as given
         self._index = fragment_assignment(params, int(fragments))
@@ -382,7 +392,7 @@ class Syncer:
         # The mean is summed one contribution at a time, so no program depends on how many contributed
         # (or on how many learners there are: a late join compiles nothing).
         self._accumulate = _ACCUMULATE
-        self._outer_step = jax.jit(lambda a, o, m: _outer_step(self._outer_tx, a, o, m))
+        self._outer_step = jax.jit(lambda a, o, m, s: _outer_step(self._outer_tx, a, o, m, s))
         self._sub = _SUB
         self._lock = threading.RLock()
         self.refused: list[tuple[str, int, str]] = []
@@ -787,11 +797,15 @@ class Syncer:
         order = sorted(names)  # the sum's order: the merge does not depend on which contribution came first
         tokens = [r.entries[k][4] for k in order]
         total = math.fsum(tokens)
+        share = 1.0  # of a full round: what an outer optimizer such as delayed_nesterov counts
         if self.partial_rounds == "share":  # the round's share of the declared tokens of the learners not lost
             mean = total / len(tokens)
             members = {k for k in self.learners if k not in self._lost} | set(order)  # those that left included
-            total = max(total, math.fsum(self._token_cap.get(k) or mean for k in sorted(members)))
-        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order], total)
+            full = math.fsum(self._token_cap.get(k) or mean for k in sorted(members))
+            share = min(1.0, total / full) if full > 0 else 1.0
+            total = max(total, full)
+        new, outer_state = self._merge(p, [r.entries[k][1] for k in order], [r.entries[k][0] for k in order], total,
+                                       share)
         if not (_all_finite(new) and _all_finite(outer_state)):
             return self._refuse_round(p, names)
         self._norms[p].extend(r.entries[k][3] for k in order)
@@ -827,14 +841,16 @@ class Syncer:
             self.refused.append((k, p, why))
         return [Reply(k, p, self._version[p], values, accepted=False, reason=why) for k in names]
 
-    def _merge(self, p: int, decoded: list, weights: list, total: float | None = None) -> tuple[list, Any]:
+    def _merge(self, p: int, decoded: list, weights: list, total: float | None = None,
+               share: float = 1.0) -> tuple[list, Any]:
         """``sum w_i m_i / total`` of ``decoded`` (in this order; ``total`` the undiscounted tokens ``sum n_i``, or
-        more with ``partial_rounds='share'``; default ``sum w_i``), then the outer step: new values and state."""
+        more with ``partial_rounds='share'``; default ``sum w_i``), then the outer step (told the round's ``share``
+        of a full one): new values and state."""
         total = math.fsum(weights) if total is None else total
         acc = [np.zeros(g.shape, np.float32) for g in self._global[p]]
         for d, w in zip(decoded, weights):
             acc = self._accumulate(acc, d, np.float32(w / total))
-        new, state = self._outer_step(self._global[p], self._outer[p], acc)
+        new, state = self._outer_step(self._global[p], self._outer[p], acc, np.float32(share))
         return list(new), state
 
     def warm_up(self) -> None:
@@ -921,14 +937,18 @@ class Syncer:
         with self._lock, Checkpointer(directory) as ckpt:
             ckpt.save(int(step), self.state(), extra={"learners": list(self.learners),
                                                       "last_merged": self.last_merged(),
-                                                      "last_seq": self.last_seqs()})
+                                                      "last_seq": self.last_seqs(),
+                                                      "lost": sorted(self._lost), "left": sorted(self._left),
+                                                      "token_cap": dict(self._token_cap)})
 
     def restore(self, directory: str | Path, *, step: int | None = None) -> int:
         """Load a checkpoint of :meth:`save` into this syncer (built with the same arguments); its step.
 
         The global parameters, outer state, versions, last-merged counters and last sequence
         numbers taken come back bit-identical (contributions taken after the checkpoint may be sent
-        again: they were lost with the syncer); open rounds are dropped, and every learner counts as just seen (none lost).
+        again: they were lost with the syncer), and so do the membership and the token caps: a learner lost
+        or gone (:meth:`leave`) when the checkpoint was written stays lost or gone until it is heard from again,
+        every other one counts as just seen; open rounds are dropped.
         With a ``reply_compressor``, each fragment's first merge after the restore replies with whole values,
         not the compressed update, so every contributor's anchor is set to the global values once (updates move
         an anchor by what they carry, so an anchor a restart left off the global values would stay off: a
@@ -965,7 +985,13 @@ class Syncer:
             # Each fragment's first merge after a restart replies with whole values: a learner's anchor that a
             # restart left off the global values (updates only move it by the same amounts) is set right once.
             self._whole_next = [True] * self.fragments
+            # Membership as it was: a learner lost or gone before the checkpoint stays so (until it is heard
+            # from again); every other one counts as just seen.  Token caps as declared.
+            self._lost = set(extra.get("lost", [])) & set(saved)
+            self._left = set(extra.get("left", [])) & set(saved)
+            caps = extra.get("token_cap", {})
+            self._token_cap = {k: (None if caps.get(k, self.max_tokens) is None else float(caps.get(k, self.max_tokens)))
+                               for k in saved}
             now = time.monotonic()
-            self._seen = {k: (now, time.time()) for k in saved}
-            self._lost = set()
+            self._seen = {k: (now, time.time()) for k in saved if k not in self._lost | self._left}
             return int(step)
