@@ -471,8 +471,6 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s),
          "--reply-compressor", args.reply_compressor, "--partial-rounds", args.partial_rounds,
          "--outer", args.outer]
-    if args.compilation_cache:
-        a += ["--compilation-cache", str(args.compilation_cache)]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.quorum_fraction is not None:
@@ -611,9 +609,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=64, help="characters per window")
     ap.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate")
-    ap.add_argument("--compilation-cache", default=None, metavar="DIR",
-                    help="JAX's persistent compilation cache in DIR: a restarted syncer (--resume) or learner "
-                         "reuses the programs compiled before instead of compiling them again")
     ap.add_argument("--outer", choices=("nesterov", "delayed"), default="nesterov",
                     help="the syncer's outer optimizer: Nesterov SGD (momentum 0.9), or Delayed Nesterov "
                          "(compjax.decoupled.delayed_nesterov: the momentum steps once per full round's share of "
@@ -685,11 +680,6 @@ def main(argv=None) -> int:
     if args.address is None:
         raise ValueError("--address is needed for a single role (the syncer's endpoint, tcp://HOST:PORT)")
     args.out = args.out or str(RUNS / "roles")
-    if args.compilation_cache:  # JAX's persistent cache: a restarted process reuses the compiled programs
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.role == "syncer":
         run_syncer(args)
     else:

@@ -466,6 +466,8 @@ class Learner:
               comm_state: Any, seq: int) -> None:
         """On the sender thread: wait for the payload arrays, count their bytes, hand them to the transport."""
         if bool(skipped):  # the guard zeroed the output; the payload encodes the residual: send zeros' message
+            logger.warning("learner %r: the outer gradient of fragment %d is not finite (the parameters or the "
+                           "anchor hold NaN or inf): its contribution carries zeros", self.name, p)
             zeros = [jnp.zeros(a.shape, a.dtype) for a in self._anchor[p]]
             payload = self._encode(zeros, _fold_keys(self._tx.init(zeros), self.worker_index))[2]
         values = tuple(np.asarray(x) for x in payload)
