@@ -570,7 +570,7 @@ def write(report: dict, out_dir: Path) -> None:
 
 def inside(args) -> int:
     """In the namespace (or, ``--quick``, on the host): run the rows; the raw results to ``--result``."""
-    settings = QUICK if args.quick else FULL
+    settings = {**(QUICK if args.quick else FULL), "outer": args.outer}
     rows = QUICK_ROWS if args.quick else {k: ROWS[k] for k in args.rows}
     raw = []
     with tempfile.TemporaryDirectory(prefix="async-diloco-") as tmp:
@@ -594,6 +594,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fault-parts", choices=("learner,syncer", "learner", "syncer"), default="learner,syncer",
                     help="the faults the fault row plants (a diagnostic: the published row plants both): the learner "
                          "killed and the joiner, the syncer stopped and restarted, or both")
+    ap.add_argument("--outer", choices=("nesterov", "delayed"), default="nesterov",
+                    help="the syncer's outer optimizer in every row (lock-step rows, whose rounds are all full, take "
+                         "the same Nesterov steps either way): Nesterov SGD, or delayed_nesterov")
     ap.add_argument("--wait-load", type=float, default=None, metavar="L",
                     help="first wait (at most --wait-max-s) until the 1-minute load average is below L")
     ap.add_argument("--wait-max-s", type=float, default=1200.0)
@@ -609,7 +612,7 @@ def main(argv=None) -> int:
         return inside(args)
     out_dir = args.out_dir or (PUBLISHED if args.publish else RUNS)
     argv = sys.argv[1:] if argv is None else list(argv)
-    settings = QUICK if args.quick else FULL
+    settings = {**(QUICK if args.quick else FULL), "outer": args.outer}
     if args.report_only:
         old = json.loads((out_dir / f"{NAME}.json").read_text())
         write(build_report(old["raw"], old["argv"], old["wall_s"], old["provenance"], old["settings"]), out_dir)
@@ -627,7 +630,7 @@ def main(argv=None) -> int:
         result = Path(tmp) / "raw.json"
         cmd = [sys.executable, "-m", "experiments.benchmarks.async_diloco", "--inside", "--result", str(result),
                "--idle-s", str(args.idle_s), "--row-timeout-s", str(args.row_timeout_s),
-               "--fault-parts", args.fault_parts]
+               "--fault-parts", args.fault_parts, "--outer", args.outer]
         cmd += ["--quick"] if args.quick else ["--shape", "--rows", *args.rows]
         if args.text:
             cmd += ["--text", str(args.text.resolve())]
