@@ -37,34 +37,50 @@ def vmap_quadratic_trainer(tx, init, n):
 def run_workers(tx, grads_stacked, state_stacked, backend, mesh=None):
     """One ``tx.update`` on every worker; inputs and outputs have a leading worker axis.
 
-    backend: "shard_map", "pmap" or "vmap".  Returns (updates, state) as NumPy trees.
+    backend: "shard_map", "pmap" or "vmap".  Returns (updates, state) as NumPy trees.  The program is built once
+    per ``(tx, backend, mesh)``, so the steps of a loop compile once (a fresh closure each call would compile
+    at every step).
     """
+    if backend == "shard_map":
+        assert mesh is not None
+        n = jax.tree.leaves(grads_stacked)[0].shape[0]
+        assert n == mesh.shape[AXIS]
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, P(AXIS)))
+        grads_stacked, state_stacked = put(grads_stacked), put(state_stacked)
+    out = jax.block_until_ready(_workers_program(tx, backend, mesh)(grads_stacked, state_stacked))
+    return jax.tree.map(np.asarray, out)
+
+
+_PROGRAMS: dict = {}
+
+
+def _workers_program(tx, backend, mesh):
+    """``tx.update`` mapped over the worker axis by ``backend``, built once per ``(tx, backend, mesh)``."""
+    key = (id(tx), backend, mesh)
+    if key in _PROGRAMS and _PROGRAMS[key][0] is tx:
+        return _PROGRAMS[key][1]
 
     def one(g, s):
         return tx.update(g, s)
 
     if backend == "vmap":
-        out = jax.jit(jax.vmap(one, axis_name=AXIS))(grads_stacked, state_stacked)
+        f = jax.jit(jax.vmap(one, axis_name=AXIS))
     elif backend == "pmap":
-        out = jax.pmap(one, axis_name=AXIS)(grads_stacked, state_stacked)
+        f = jax.pmap(one, axis_name=AXIS)
     elif backend == "shard_map":
-        assert mesh is not None
-        n = jax.tree.leaves(grads_stacked)[0].shape[0]
-        assert n == mesh.shape[AXIS]
-
         def body(g, s):
             g, s = jax.tree.map(lambda x: x[0], (g, s))
             u, s = one(g, s)
             return jax.tree.map(lambda x: x[None], (u, s))
 
         spec = P(AXIS)
-        put = lambda t: jax.device_put(t, NamedSharding(mesh, spec))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
-        out = f(put(grads_stacked), put(state_stacked))
     else:
         raise ValueError(backend)
-    out = jax.block_until_ready(out)
-    return jax.tree.map(np.asarray, out)
+    _PROGRAMS[key] = (tx, f)  # tx kept alive with its program: its id is not reused while the entry lives
+    while len(_PROGRAMS) > 16:  # the last few transforms' programs (a test's loop reuses one)
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return f
 
 
 def init_stacked(tx, params, n):

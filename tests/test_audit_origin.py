@@ -51,7 +51,13 @@ def scoped_bytes(ops, tag):
                zip(op.operands, op.scopes, op.issuers) if who == "compjax" and f"/{tag}/" in scope)
 
 
-@pytest.mark.parametrize("name", [*COMPRESSORS, pytest.param("cast_f16", marks=pytest.mark.slow)])
+#: The fast tier: one compressor per wire path of collectives.py (dense mean, sparse mean, gathered payload,
+#: PowerSGD's factors); the others, each compiled for two dtypes (~5 s each on 2 loaded cores), in the full tier.
+FAST_16_BIT = ("cast_bf16", "topk", "onebit", "powersgd")
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_16_BIT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in [*COMPRESSORS, "cast_f16"]])
 def test_payload_bytes_equal_audited_compjax_bytes_for_16_bit_leaves(mesh, name):
     case = CASES[name]
     txs = {tag: case.make(AXIS, **case.one_path) for tag in DTYPES}

@@ -101,7 +101,9 @@ def without(state, *fields):
 # --- optax wrappers, inject_hyperparams, multi_transform, user cond/switch ------------------------
 
 
-@pytest.mark.parametrize("name", tiered(NAMES, fast=("cast_bf16", "chunktopk")))  # chunktopk: a traced value
+# twobit: a traced value (its threshold) through the cheapest program; chunktopk's (~45 s to compile on 2 loaded
+# cores, 8 copies of the exchange in one program) and the other cases in the full tier.
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("cast_bf16", "twobit")))
 def test_wrappers_and_branches_equal_the_unwrapped_transform(mesh, name):
     case = CASES[name]
     params = zeros_params()
@@ -329,7 +331,7 @@ def run_backend(tx, backend, mesh, steps=STEPS):
     return jax.tree.map(np.asarray, (outs, state))
 
 
-@pytest.mark.parametrize("name", tiered(NAMES, fast=("identity", "qsgd")))  # qsgd: keys
+@pytest.mark.parametrize("name", tiered(NAMES, fast=("identity", "terngrad")))  # terngrad: keys
 def test_backends_agree_and_keys_reproduce(mesh, name):
     case = CASES[name]
     results = {b: run_backend(case.make(AXIS), b, mesh) for b in ("shard_map", "pmap", "vmap")}

@@ -123,14 +123,30 @@ def test_bad_step_flags_fail_before_loading_data(monkeypatch, argv, flag):
         train.main(argv + ["--no-progress"])
 
 
-def test_step_flags_beyond_the_run_fail(tmp_path):
+def test_step_flags_beyond_the_run_fail(tmp_path, monkeypatch):
     """The run's length is known once the data is: 1 epoch of 60000 images in batches of 256 is 234 steps."""
+    monkeypatch.setitem(trainer.DATASETS, "fashion_mnist", small_fashion_mnist(60000, 16))
     argv = ["--epochs", "1", "--poison-step", "234", "--out", str(tmp_path / "x.jsonl"), "--no-progress"]
     with pytest.raises(SystemExit, match=r"--poison-step 234: this run has 234 steps.*\[0, 234\)"):
         train.main(argv)
 
 
-def test_main_job_runs_and_writes_records(tmp_path):
+def small_fashion_mnist(n_train=2048, n_test=256):
+    """A loader like ``data.load_fashion_mnist`` giving random images of its shapes and dtypes: (N, 28, 28, 1)
+    float32 in [0, 1] and int32 labels in [0, 10): the main job's code without reading and decoding the files."""
+
+    def load(*args, **kwargs):
+        rng = np.random.default_rng(0)
+        images = lambda n: rng.random((n, 28, 28, 1), dtype=np.float32)
+        labels = lambda n: rng.integers(0, 10, size=n).astype(np.int32)
+        return images(n_train), labels(n_train), images(n_test), labels(n_test)
+
+    return load
+
+
+def test_main_job_runs_and_writes_records(tmp_path, monkeypatch):
+    # The data's own loading and checksums are tested above and by the full tier's main-job runs.
+    monkeypatch.setitem(trainer.DATASETS, "fashion_mnist", small_fashion_mnist())
     out = tmp_path / "run.jsonl"
     summary = train.main(["--compressor", "topk", "--ratio", "0.05", "--max-steps", "3", "--epochs", "1",
                           "--train-limit", "2048", "--out", str(out), "--no-progress"])
