@@ -171,15 +171,22 @@ def gather_shards(x: jnp.ndarray, fast: str, axis: int) -> jnp.ndarray:
         return jax.lax.all_gather(x, fast, axis=axis, tiled=True)
 
 
-def gather_inside_host(x: jnp.ndarray, fast: str, axis: int) -> jnp.ndarray:
+def gather_inside_host(x: jnp.ndarray, fast: str, axis: int | layout.Cut) -> jnp.ndarray:
     """The whole array of which ``x`` is this device's piece along ``axis``: a tiled all-gather over ``fast``.
 
-    Typed invariant over ``fast`` (every device of the host holds the same
-    result), issued under :func:`uncounted` (inside the host: no compressor's
-    payload).  Not for differentiation (its transpose is a slice, not a
-    reduce-scatter).
+    ``axis`` is a dimension, or a :class:`compjax.layout.Cut` (a piece cut
+    along several dimensions: one tiled all-gather per cut dimension, over
+    that dimension's axes).  Typed invariant over ``fast`` (every device of
+    the host holds the same result), issued under :func:`uncounted` (inside
+    the host: no compressor's payload).  Not for differentiation (its
+    transpose is a slice, not a reduce-scatter).
     """
     with uncounted():
+        if isinstance(axis, layout.Cut):
+            for d, entry in enumerate(axis.entries):
+                if entry is not None:
+                    x = _all_gather(x, entry, axis=d, tiled=True, to="invarying")
+            return x
         return _all_gather(x, fast, axis=axis, tiled=True, to="invarying")
 
 

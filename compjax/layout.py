@@ -39,7 +39,36 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FastLayout", "Shards", "current", "fast_layout", "for_leaves", "scaled_dims", "shard_dims_for"]
+__all__ = ["Cut", "FastLayout", "Shards", "current", "fast_layout", "for_leaves", "scaled_dims", "shard_dims_for"]
+
+
+class Cut(NamedTuple):
+    """A leaf cut over the fast axes in its own layout, along one or several dimensions (a shard dimension entry).
+
+    Where the optimizer works on a leaf laid out as a model annotates it over
+    several fast axes (a ``(layers, d, 4d)`` kernel ``P(None, 'fsdp', 'tensor')``
+    on a ``(data, fsdp, tensor)`` mesh), its entry in :attr:`FastLayout.dims`
+    and :attr:`Shards.dims` is a ``Cut`` instead of an int: the leaf is a
+    shard (the entry is not None), each device holds a distinct piece, and
+    the pieces' geometry is the spec's.  Only transforms that need no more
+    than that receive it (``compressor(..., any_cut=True)``: elementwise
+    codecs whose per-layer statistics are sums or maxima over the host, and
+    ``cj.diloco`` around them; :func:`compjax.compressors.chains.works_on_any_cut`).
+    :meth:`Shards.whole_shape` and :meth:`Shards.own` take it; the flat index
+    maps (:meth:`Shards.to_whole`, :meth:`Shards.to_shard`) need one dimension
+    and refuse it.
+
+    Attributes:
+      entries: one per dimension of the leaf, as in a ``PartitionSpec``: None,
+        a fast mesh axis, or a tuple of several (the first one major).
+    """
+
+    entries: tuple
+
+    def size(self, d: int) -> int:
+        """How many pieces dimension ``d`` is cut into (inside the ``shard_map`` that binds the fast axes)."""
+        e = self.entries[d]
+        return 1 if e is None else int(jax.lax.axis_size(e))
 
 
 class FastLayout(NamedTuple):
@@ -51,7 +80,8 @@ class FastLayout(NamedTuple):
         axis fastest, as ``jax.lax.axis_index`` gives it).
       treedef: the gradients' tree structure, or None (replicated layout: no leaf is a shard).
       dims: one entry per gradient leaf (flatten order): the dimension along which the
-        leaf is sharded over ``axis``, or None for a leaf every fast device holds whole.
+        leaf is sharded over ``axis``, a :class:`Cut` (sharded over the fast axes in its own
+        layout), or None for a leaf every fast device holds whole.
     """
 
     axis: Any
@@ -72,7 +102,8 @@ class Shards(NamedTuple):
     Attributes:
       axis: the fast mesh axis, or a tuple of several (every collective and
         ``axis_index`` then spans them all).
-      dims: one entry per leaf: the dimension along which it is sharded, or None.
+      dims: one entry per leaf: the dimension along which it is sharded, a
+        :class:`Cut` (see there), or None.
     """
 
     axis: Any
@@ -86,6 +117,8 @@ class Shards(NamedTuple):
         """The shape of the layer of which leaf ``i`` (``x``, one shard) is a piece."""
         d = self.dims[i]
         shape = tuple(x.shape)
+        if isinstance(d, Cut):
+            return tuple(n * d.size(k) for k, n in enumerate(shape))
         return shape if d is None else shape[:d] + (shape[d] * self.fast(),) + shape[d + 1:]
 
     def own(self, x: jnp.ndarray, i: int) -> jnp.ndarray:
@@ -93,10 +126,20 @@ class Shards(NamedTuple):
         d = self.dims[i]
         if d is None:
             return x
+        if isinstance(d, Cut):
+            for k, e in enumerate(d.entries):
+                if e is not None:
+                    per = x.shape[k] // d.size(k)
+                    x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(e).astype(jnp.int32) * per, per, axis=k)
+            return x
         per = x.shape[d] // self.fast()
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.axis).astype(jnp.int32) * per, per, axis=d)
 
-    def _geometry(self, shape: Sequence[int], d: int) -> tuple:
+    def _geometry(self, shape: Sequence[int], d: Any) -> tuple:
+        if isinstance(d, Cut):
+            raise TypeError(f"a leaf cut along several dimensions ({d}) has no flat index map between its shard and "
+                             "its layer: only a compressor built with compressor(..., any_cut=True) takes such leaves "
+                             "(the step gives the others each shard cut along one dimension)")
         inner = 1
         for n in shape[d + 1:]:
             inner *= int(n)

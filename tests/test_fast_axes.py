@@ -3,7 +3,9 @@
 Each host is the four devices of ``(fsdp, tensor)``.  The parameters and the optimizer state keep the layout their
 specs give them (``P('fsdp', 'tensor')``: two dimensions over two axes, ``P(('fsdp', 'tensor'))``: one dimension over
 both, ``P('tensor', None)``: some of the fast axes only); the optimizer and its compressors see every sharded leaf
-cut along one dimension over all four devices (``parallel.placement.shard_view``).  Five steps of each registry case
+cut along one dimension over all four devices (``parallel.placement.shard_view``), or, where every compressor works
+on shards cut any way (dense, casts, sign, 2-bit, E3M0, DiLoCo around them), the leaves sharded over both axes as
+their specs lay them out (a ``layout.Cut``).  Five steps of each registry case
 equal the replicated 2-D layout on a ``2 x 4`` mesh of the same devices (1e-6, ``payload_bytes`` equal), and the
 compiled program carries across the worker axis exactly the host's payload once (each of its four devices a
 quarter), no other collective touching the worker axis.
@@ -286,3 +288,52 @@ def test_a_state_laid_out_as_the_optimizer_sees_it_is_kept_so():
         np.testing.assert_allclose(out["view"][0][k], out["params"][0][k], rtol=1e-6, atol=1e-6, err_msg=k)
     np.testing.assert_allclose(out["view"][1], out["params"][1], rtol=1e-6, atol=1e-6)
     assert out["view"][2] < out["params"][2], (out["view"][2], out["params"][2])
+
+
+# --- the optimizer on the specs' own layout: compressors that work on shards cut any way ------------------------------
+
+def test_any_cut_compressors_see_leaves_in_the_specs_layout_and_a_cut_maps_its_pieces():
+    """With an optimizer whose compressors work on shards cut any way (``chains.works_on_any_cut``: dense, casts,
+    sign, 2-bit, E3M0, and DiLoCo around them), ``shard_view(own=True)`` keeps a leaf sharded over both fast axes as
+    its specs lay it out (``w1``: ``P('fsdp', 'tensor')``, a ``layout.Cut``), and still cuts a leaf over one of the
+    two along one dimension over both (``w2``); top-k, PowerSGD and SparseLoCo's chunk top-k need one-dimensional
+    shards.  Inside the host a ``Cut`` maps its pieces: every device's piece of a (4, 6) array is the block its
+    (fsdp, tensor) index names, ``whole_shape`` is the array's, ``gather_inside_host`` gives the array back whole and
+    ``own`` of it the piece again."""
+    from compjax import collectives, layout
+    from compjax.compressors.chains import works_on_any_cut
+
+    sgd = optax.sgd(0.1)
+    assert all(works_on_any_cut(optax.chain(CASES[n].make(axis_name="data"), sgd))
+               for n in ("identity", "cast_bf16", "cast_f16", "signsgd", "twobit", "e3m0", "diloco", "streaming_diloco"))
+    assert not any(works_on_any_cut(optax.chain(CASES[n].make(axis_name="data"), sgd))
+                   for n in ("topk", "randomk", "dgc", "powersgd", "onebit", "qsgd", "terngrad", "chunktopk",
+                             "sparseloco", "demo", "delayed_averaging"))
+    init, _ = battery_problem()
+    names, mesh = sorted(init), mesh3()
+    leaves, specs = [init[k] for k in names], [TWO_DIMS[k] for k in names]
+    dims, view = (dict(zip(names, x)) for x in parallel.placement.shard_view(leaves, specs, ("fsdp", "tensor"), mesh,
+                                                                              own=True))
+    assert dims["w1"] == layout.Cut(("fsdp", "tensor")) and view["w1"] == P("fsdp", "tensor")
+    assert dims["b1"] == 0 and view["b1"] == P(("fsdp", "tensor"))  # already one dimension over both
+    assert dims["w2"] == 0 and view["w2"] == P(("fsdp", "tensor"))  # over tensor only: cut over both
+    assert dims["b2"] is None and view["b2"] == P()
+    assert parallel.placement.shard_view(leaves, specs, ("fsdp", "tensor"), mesh)[0][names.index("w1")] == 1
+
+    x = jnp.arange(24.0).reshape(4, 6)
+    cut = layout.Cut(("fsdp", "tensor"))
+
+    def per_device(piece, whole):
+        sh = layout.Shards(("fsdp", "tensor"), (cut,))
+        assert sh.whole_shape(piece, 0) == (4, 6)
+        gathered = collectives.gather_inside_host(piece, ("fsdp", "tensor"), cut)
+        return gathered[None], sh.own(whole, 0)
+
+    host = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    fn = jax.jit(jax.shard_map(per_device, mesh=host, in_specs=(P("fsdp", "tensor"), P()),
+                               out_specs=(P(("fsdp", "tensor")), P("fsdp", "tensor"))))
+    gathered, own = fn(x, x)
+    np.testing.assert_array_equal(np.asarray(gathered), np.broadcast_to(np.asarray(x), (4, 4, 6)))
+    np.testing.assert_array_equal(np.asarray(own), np.asarray(x))
+    with pytest.raises(TypeError, match="several dimensions"):
+        layout.Shards(("fsdp", "tensor"), (cut,)).to_whole(jnp.arange(6), (2, 3), 0)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import compjax as cj
 from compjax import parallel
 from experiments.benchmarks import memory
 
@@ -342,3 +343,34 @@ def test_arguments_on_fsdp_x_tensor_are_a_quarter():
         assert row["alias"] >= row["argument"] - rows * (seq + 1) * 4 - SLACK  # updated in place
     with pytest.raises(ValueError, match="replicated"):
         memory.measure("tiny", "dense", "replicated", mesh)
+
+
+@pytest.mark.slow  # three compiles on data=2 x fsdp=2 x tensor=2 (~10 s)
+def test_dense_and_streaming_diloco_update_the_tensor_layout_where_it_lies():
+    """On data=2 x fsdp=2 x tensor=2, dense and Streaming DiLoCo (E3M0) work on shards cut any way: their optimizer
+    takes every leaf sharded over both fast axes as tensor_specs lays it out (``optimizer_view``), so the compiled
+    step moves no parameter, gradient or state piece between devices of a host at the optimizer's boundary: the
+    all-to-all and collective-permute bytes outside the loss (the loss's own are ``compjax_uncounted``) stay below
+    one piece of the smallest such leaf (the re-layout of a LayerNorm or bias sharded over one of the two axes
+    aside).  Top-k, whose optimizer sees one-dimensional shards, re-lays the parameters out there: more than their
+    own bytes per device (each way, and the gradients)."""
+    mesh = memory.make_mesh((2, 2, 2))
+    params, _ = memory.abstract_model("tiny")
+    specs = memory.tensor_specs(params, mesh)
+    both = [x for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+            if set().union(*_fast_dims(s)) == {"fsdp", "tensor"}]
+    smallest = min(int(np.prod(x.shape)) for x in both)  # float32 bytes of a quarter: one device's piece
+    moved = {}
+    for method in ("dense", "streaming_diloco", "topk"):
+        built = memory.build("tiny", method, "sharded", mesh)
+        view = memory.optimizer_view(params, specs, mesh, memory.METHODS[method](memory.AXIS))
+        kept = sum(v == s for v, s in zip(*(jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P))
+                                            for t in (view, specs))))
+        assert (kept >= len(both)) == (method != "topk"), (method, kept, len(both))
+        compiled = built.step.lower(*built.inputs).compile(compiler_options=memory.compiler_options())
+        moved[method] = sum(op.bytes for op in cj.audit_collectives(compiled)
+                            if op.op in ("all-to-all", "collective-permute")
+                            and not any("compjax_uncounted" in s for s in op.scopes))
+    per_device = built.row["param_bytes"] // 4
+    assert moved["dense"] < smallest and moved["streaming_diloco"] < smallest, (moved, smallest)
+    assert moved["topk"] > per_device, (moved, per_device)

@@ -666,6 +666,10 @@ def diloco(
     def apply_fn(grads, state, params=None, **extra_args):
         return run(grads, state, params, extra_args, True)
 
+    # Its own steps are elementwise and per leaf (fragments, anchors, outer steps): it works on shards cut any
+    # way when its compressor and inner optimizer do (compjax.compressors.chains.works_on_any_cut).
+    update_fn.any_cut = apply_fn.any_cut = True
+
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     # Without overlap the parameters are written in place where the inner step and the synchronization compute

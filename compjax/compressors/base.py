@@ -397,6 +397,7 @@ def compressor(
     tree_fields: Sequence[str] = (),
     honours_skip: bool = False,
     on_shards: bool = False,
+    any_cut: bool = False,
     materialize: bool = False,
     residual_in_exchange: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
@@ -433,6 +434,17 @@ def compressor(
         (a :class:`~compjax.compressors.error_feedback.SentAt` holds indices
         into the shards).  Its other state fields must be held whole by every
         fast device.  Without it the pipeline gathers whole layers.
+      any_cut: with ``on_shards``, the exchange works on shards cut any way:
+        it reads of :attr:`Context.shards` only which leaves are shards (and
+        :meth:`~compjax.layout.Shards.own`, :meth:`~compjax.layout.Shards.whole_shape`
+        or ``collectives.gather_inside_host`` with their entry), its per-layer
+        statistics are sums or maxima over the host (an elementwise codec:
+        a dense mean, a cast, signs, 2-bit codes, E3M0).  A sharded step on
+        several fast axes then lets the optimizer work on leaves in the
+        layout the model annotates (a :class:`compjax.layout.Cut` entry), with
+        no re-layout (:func:`compjax.compressors.chains.works_on_any_cut`).
+        Without it (flat indices, columns, tiles, random draws per entry) each
+        shard is cut along one dimension.
       materialize: with error feedback, write ``p = g + e`` to memory once
         (:func:`compjax.codecs.ordering.settled`) before the exchange reads it: for exchanges
         that read ``p`` in many passes (a sparse selection), which XLA would
@@ -463,6 +475,8 @@ def compressor(
     if residual_in_exchange and (error_feedback or "residual" not in own):
         raise TypeError("residual_in_exchange needs error_feedback=False (the exchange keeps it) and a 'residual' "
                         f"field in {state_cls.__name__}")
+    if any_cut and not on_shards:
+        raise TypeError("any_cut=True needs on_shards=True: it says how the shards an exchange works on may be cut")
     trees = (("residual",) if "residual" in own else ()) + tuple(tree_fields)
 
     def init_fn(params):
@@ -604,6 +618,7 @@ def compressor(
         return means, new_state, jax.tree.unflatten(treedef, _put(leaves, sel, decoded))
 
     update_fn.with_sent = with_sent_fn  # read by update_with_sent
+    update_fn.any_cut = any_cut  # read by chains.works_on_any_cut
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -95,4 +95,5 @@ def cast(dtype, axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> o
             means, nbytes = collectives.gathered_mean((words[0],), decode, ctx.axis_name, own=(words[1],))
         return Exchanged(means, low, {}, nbytes)  # sent: p in the wire dtype
 
-    return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True)
+    return compressor(CastState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True,
+                      any_cut=True)

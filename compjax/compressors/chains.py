@@ -7,7 +7,8 @@ can be read without running it.  The step builders of :mod:`compjax.parallel`
 use this to say, when they are built, what would otherwise train wrong without
 a word: a chain with no compjax compressor (nothing crosses the worker axis),
 a norm-based transform before the compressor or on a shard
-(:mod:`compjax.compressors.clip`).
+(:mod:`compjax.compressors.clip`); and how the optimizer may see sharded
+leaves (:func:`works_on_any_cut`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import optax
 
-__all__ = ["factory_name", "holds_exchange", "is_exchange", "parts"]
+__all__ = ["factory_name", "holds_exchange", "is_exchange", "parts", "works_on_any_cut"]
 
 #: compjax transforms that wrap others but exchange nothing of their own (the vote aside).
 _WRAPPERS = frozenset({"apply_if_finite", "clip_by_global_norm", "multi_steps"})
@@ -86,3 +87,43 @@ def holds_exchange(tx: Any) -> bool:
       False
     """
     return any(is_exchange(f) for f in parts(tx))
+
+
+def works_on_any_cut(tx: Any) -> bool:
+    """Whether every compjax compressor and algorithm in ``tx`` works on shards cut any way.
+
+    A compressor built with ``compressor(..., any_cut=True)`` (``cj.identity``,
+    ``cj.cast``, ``cj.signsgd``, ``cj.twobit``, ``cj.e3m0``: elementwise codecs
+    whose per-layer statistics are sums or maxima over the host) needs to know
+    only which leaves are shards; so does ``cj.diloco`` around such a
+    compressor (it marks its own update).  The other compressors (top-k,
+    random-k, DGC, PowerSGD, 1-bit SGD's columns, TernGrad's and QSGD's
+    draws per entry, chunk top-k's tiles) and algorithms (delayed averaging,
+    DeMo) map flat indices, columns or tiles between a shard and its layer
+    and need each shard cut along one dimension.  A sharded step over several
+    fast axes reads this to decide whether its optimizer may work on the
+    leaves as the model lays them out (no re-layout inside the host every
+    step: :func:`compjax.parallel.placement.shard_view`).  Transforms from
+    outside compjax (optax's) are taken as elementwise; a compressor of one's
+    own built on :func:`compjax.compressors.base.compressor` says so itself.
+
+    Args:
+      tx: an optax transformation (or any function or container of them).
+
+    Returns:
+      True when no compressor in ``tx`` says it needs one-dimensional shards
+      and every compjax algorithm in it is marked ``any_cut``.
+
+    Examples:
+      >>> import optax, compjax as cj
+      >>> works_on_any_cut(optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-3)))
+      True
+      >>> works_on_any_cut(optax.chain(cj.topk(0.01, axis_name="data"), optax.adamw(1e-3)))
+      False
+    """
+    fns = list(parts(tx))
+    if any(getattr(f, "any_cut", None) is False for f in fns):
+        return False
+    marked = {factory_name(f) for f in fns if getattr(f, "any_cut", False)}
+    return all(factory_name(f) in marked for f in fns
+               if is_exchange(f) and (getattr(f, "__module__", "") or "").startswith("compjax.algorithms"))

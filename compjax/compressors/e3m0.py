@@ -108,5 +108,5 @@ def e3m0(
 
     return compressor(
         E3m0State, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        on_shards=True, materialize=True,
+        on_shards=True, any_cut=True, materialize=True,
     )

@@ -63,4 +63,5 @@ def identity(axis_name: AxisName = None, *, skip_nonfinite: bool = True) -> opta
         means, nbytes = collectives.dense_mean_arrays(ps, ctx.axis_name, shards=shards)  # a shard is its own piece
         return Exchanged(means, list(ps), {}, nbytes)  # sent: p itself
 
-    return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True)
+    return compressor(IdentityState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, on_shards=True,
+                      any_cut=True)

@@ -86,5 +86,5 @@ def signsgd(
 
     return compressor(
         SignsgdState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=error_feedback,
-        on_shards=True,
+        on_shards=True, any_cut=True,
     )

@@ -82,4 +82,4 @@ def twobit(
         return Exchanged(means, sent, {}, nbytes)
 
     return compressor(TwobitState, exchange, axis_name=axis_name, skip_nonfinite=skip_nonfinite, error_feedback=True,
-                      on_shards=True)
+                      on_shards=True, any_cut=True)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from compjax import collectives, layout, workers
 from compjax.compressors import clip
 from compjax.compressors.applying import apply_gradients
+from compjax.compressors.chains import works_on_any_cut
 from compjax.parallel.core import (
     build_sharded_step,
     build_step,
@@ -427,8 +428,9 @@ def _nnx_host_step(loss_fn, mesh, axis_name, fast_axis, has_aux, worker_rngs, do
         ptree, _, otree = trees
         pl, _, ol = arrays
         logical = [jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)) for x in pl]
-        dims, view = shard_view(logical, [P(*tuple(s)[1:]) for s in pspecs], names, mesh)
         optimizer = nnx.merge(odef, jax.tree.unflatten(otree, ol))
+        dims, view = shard_view(logical, [P(*tuple(s)[1:]) for s in pspecs], names, mesh,
+                                own=works_on_any_cut(optimizer.tx))
         pure = nnx.as_pure(jax.tree.unflatten(ptree, logical))
         pure_def = jax.tree.structure(pure)
         state_view = jax.tree.leaves(state_specs(optimizer.tx, pure, jax.tree.unflatten(pure_def, view), mesh),

@@ -644,8 +644,8 @@ def named_fast_axes(leaf_specs: Sequence, mesh: Mesh) -> tuple:
     return tuple(a for a in mesh.axis_names if a in named)
 
 
-def shard_view(tree: Any, leaf_specs: Sequence, fast: tuple, mesh: Mesh) -> tuple[list, list]:
-    """How the optimizer sees each leaf on a mesh of several fast axes: one dimension over all of them, or whole.
+def shard_view(tree: Any, leaf_specs: Sequence, fast: tuple, mesh: Mesh, *, own: bool = False) -> tuple[list, list]:
+    """How the optimizer sees each leaf on a mesh of several fast axes: in its own layout, along one dimension, or whole.
 
     A sharded step's compressors work on shards cut along one dimension over
     the host's devices (:class:`compjax.layout.Shards`).  A leaf the specs
@@ -656,17 +656,30 @@ def shard_view(tree: Any, leaf_specs: Sequence, fast: tuple, mesh: Mesh) -> tupl
     over ``fast``, the last axis fastest, holds the ``c``-th piece): the first
     dimension the specs shard that the host's device count divides, else any
     such dimension, else the leaf is seen whole (``P()``).  XLA re-lays the
-    leaf out inside the host where the optimizer takes it and gives it back.
+    leaf out inside the host where the optimizer takes it and gives it back:
+    every step, a copy of the leaf each way (and of its gradient).
+
+    With ``own`` (an optimizer whose compressors work on shards cut any way,
+    :func:`compjax.compressors.chains.works_on_any_cut`), a leaf the specs
+    shard over every fast axis is seen as the specs lay it out, with no
+    re-layout: its dimension entry is a :class:`compjax.layout.Cut` (the
+    spec's entries) unless the spec already cuts it along one dimension over
+    ``fast`` in mesh order (then that dimension, as without ``own``).  Leaves
+    sharded over some of the fast axes only (a LayerNorm's ``P(None,
+    'fsdp')``, held twice over ``tensor``) are still seen along one
+    dimension over all of them, so every device holds a distinct piece.
 
     Args:
       tree: the logical leaves (arrays or ``jax.ShapeDtypeStruct``), one per spec.
       leaf_specs: their specs (``PartitionSpec`` or None), over axes of ``fast``.
       fast: the fast axes, in mesh order.
       mesh: the mesh.
+      own: keep the specs' own layout where they shard over every fast axis.
 
     Returns:
-      ``(dims, specs)``: per leaf the dimension it is seen sharded along (or
-      None: whole) and its spec there (without the worker axis).
+      ``(dims, specs)``: per leaf the dimension it is seen sharded along, a
+      :class:`compjax.layout.Cut`, or None (whole), and its spec there
+      (without the worker axis).
     """
     size = int(np.prod([mesh.shape[a] for a in fast], dtype=np.int64))
     dims, specs = [], []
@@ -674,6 +687,14 @@ def shard_view(tree: Any, leaf_specs: Sequence, fast: tuple, mesh: Mesh) -> tupl
         shape = tuple(np.shape(x))
         entries = tuple(as_spec(spec)) if spec is not None else ()
         sharded = [d for d, e in enumerate(entries) if e is not None]
+        named = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+        if own and sharded and named == set(fast):
+            one = len(sharded) == 1 and tuple(entries[sharded[0]] if isinstance(entries[sharded[0]], tuple)
+                                              else (entries[sharded[0]],)) == tuple(fast)
+            dims.append(sharded[0] if one else
+                        layout.Cut(tuple(entries) + (None,) * (len(shape) - len(entries))))
+            specs.append(P(*entries))
+            continue
         fits = [d for d in sharded + list(range(len(shape))) if shape[d] % size == 0]
         d = fits[0] if sharded and fits else None
         dims.append(d)

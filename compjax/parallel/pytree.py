@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from compjax import collectives, layout
 from compjax.compressors import clip
 from compjax.compressors.applying import apply_gradients
+from compjax.compressors.chains import works_on_any_cut
 from compjax.parallel.core import (
     build_sharded_step,
     build_step,
@@ -155,16 +156,24 @@ def data_parallel_step(
         device, the chunks held whole by the host's devices: XLA:CPU's
         partitioner aborts on an embedding lookup of ids split over them),
         parameters and state keep the layout the specs give them, and ``tx``
-        sees each sharded leaf cut along one dimension over all the fast axes
-        (:func:`compjax.parallel.placement.shard_view`, re-laid out by XLA
-        inside the host), its compressor reducing its per-layer statistics
-        over every fast axis.  An optimizer state laid out as ``tx`` sees the
-        parameters (``init_worker_state(tx, params, mesh, specs=view)`` with
-        ``view`` the specs ``shard_view`` gives) is kept so: only the
-        parameters and gradients are then re-laid out at the optimizer's
-        boundary, not the whole state in and out of every step (8B dense
-        AdamW on ``2 x 2 x 2``: 6.5 GiB of temporaries per device instead of
-        21.0).  The mesh's axes must then be ``Auto``
+        sees the leaves as :func:`compjax.parallel.placement.shard_view` gives
+        them, its compressor reducing its per-layer statistics over every fast
+        axis: when every compressor in ``tx`` works on shards cut any way
+        (:func:`compjax.compressors.chains.works_on_any_cut`: ``cj.identity``,
+        the casts, EF-signSGD, 2-bit, E3M0, and ``cj.diloco`` around them),
+        each leaf sharded over every fast axis as the specs lay it out, with
+        no re-layout; otherwise (flat indices, columns, tiles, draws per
+        entry) each sharded leaf cut along one dimension over all the fast
+        axes, which XLA re-lays out inside the host where ``tx`` takes it and
+        gives it back (a copy of every such parameter each way and of its
+        gradient, every step; 8B dense AdamW on ``2 x 2 x 2``: 6.5 GiB of
+        temporaries per device with the view, 5.4 GiB without).  An
+        optimizer state laid out as ``tx`` sees the parameters
+        (``init_worker_state(tx, params, mesh, specs=view)`` with ``view``
+        the specs ``shard_view`` gives) is kept so: otherwise the whole state
+        is re-laid out in and out of every step too (8B dense AdamW with the
+        one-dimensional view: 21.0 GiB of temporaries instead of 6.5).  The
+        mesh's axes must then be ``Auto``
         (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3)``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns each
         worker's ``aux`` too (e.g. logits or an accuracy).
@@ -340,9 +349,11 @@ def _sharded_step(loss_fn, tx, mesh, axis_name, fast_axis, specs, has_aux, rng, 
         treedef = jax.tree.structure(stored)
         specs_tree = jax.tree.unflatten(treedef, leaf_specs)
         pspecs = jax.tree.unflatten(treedef, [stacked_spec(axis_name, as_spec(s)) for s in leaf_specs])
-        # What the optimizer and its compressors see: every sharded leaf cut along one dimension over all the fast
-        # axes together (placement.shard_view), its state laid out to match; XLA re-lays them at the boundary.
-        dims, view = shard_view(stored, leaf_specs, fast, mesh)
+        # What the optimizer and its compressors see (placement.shard_view), its state laid out to match: with
+        # compressors that work on shards cut any way, the leaves sharded over every fast axis as the specs lay them
+        # out (no re-layout); the others cut along one dimension over all the fast axes together, which XLA re-lays
+        # out at the boundary, inside the host.
+        dims, view = shard_view(stored, leaf_specs, fast, mesh, own=works_on_any_cut(tx))
         view_tree = jax.tree.unflatten(treedef, view)
         state_view = state_specs(tx, stored, view_tree, mesh)
         # The state is stored as the specs lay it out (init_worker_state(specs=specs)), or, where it arrives laid out

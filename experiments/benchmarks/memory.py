@@ -59,8 +59,9 @@ training loop), each device one sequence of 1,024 tokens (``--batch-per-device``
   parameters and state ``P("data", *spec)``, every large leaf split along its
   largest dimension; on a ``data x fsdp x tensor`` mesh ``specs=tensor_specs(params, mesh)``:
   a block's ``(layers, d, 4d)`` MLP kernel ``P("data", None, "fsdp", "tensor")``,
-  the batch over all three axes).  The replicated layout runs on ``slow x fast``
-  meshes only.
+  the batch over all three axes, the optimizer state laid out as the optimizer
+  sees the parameters, :func:`optimizer_view`).  The replicated layout runs on
+  ``slow x fast`` meshes only.
 
 **Methods** (:data:`METHODS`): ``dense`` (``cj.identity`` then AdamW),
 ``topk`` (``cj.topk(0.01)`` then AdamW), ``sparseloco`` (``cj.sparseloco``:
@@ -133,6 +134,7 @@ from jax.sharding import PartitionSpec as P
 
 import compjax as cj
 from compjax import parallel
+from compjax.compressors.chains import works_on_any_cut
 from compjax.parallel.placement import shard_view
 from experiments import config_cli, records
 from experiments.lm import model as lm_model
@@ -337,25 +339,31 @@ def tensor_specs(params: dict, mesh, rules: tuple = RULES) -> dict:
     return jax.tree_util.tree_map_with_path(trim, params, specs)
 
 
-def optimizer_view(params: dict, specs: dict, mesh) -> dict:
-    """How ``data_parallel_step(specs=)`` 's optimizer sees parameters laid out by :func:`tensor_specs`.
+def optimizer_view(params: dict, specs: dict, mesh, tx: optax.GradientTransformation | None = None) -> dict:
+    """How ``data_parallel_step(specs=)`` 's optimizer ``tx`` sees parameters laid out by :func:`tensor_specs`.
 
-    Every sharded leaf cut along one dimension over ``fsdp`` and ``tensor``
-    together (:func:`compjax.parallel.placement.shard_view`): a block's
-    ``(layers, d, 4d)`` MLP kernel ``P(None, ('fsdp', 'tensor'), None)``.  The
-    benchmark lays compjax's optimizer state out by these specs
-    (``parallel.state_specs(tx, params, optimizer_view(...), mesh)``): the
-    step keeps a state that arrives so, and re-lays out only the parameters
-    and gradients at the optimizer's boundary, not the whole state in and out
-    of every step (8B dense on ``2 x 2 x 2``: 21.0 GiB of temporaries with the
-    state laid out as the parameters, 6.5 GiB so).
+    :func:`compjax.parallel.placement.shard_view`: with a ``tx`` whose
+    compressors work on shards cut any way
+    (:func:`compjax.compressors.chains.works_on_any_cut`: dense, Streaming
+    DiLoCo's E3M0), every leaf sharded over both ``fsdp`` and ``tensor`` as
+    :func:`tensor_specs` lays it out (a block's ``(layers, d, 4d)`` MLP kernel
+    ``P(None, 'fsdp', 'tensor')``); the other leaves, and every sharded leaf
+    for the other methods (``tx`` None: all), cut along one dimension over
+    ``fsdp`` and ``tensor`` together (that kernel ``P(None, ('fsdp',
+    'tensor'), None)``).  The benchmark lays compjax's optimizer state out by
+    these specs (``parallel.state_specs(tx, params, optimizer_view(...),
+    mesh)``): the step keeps a state that arrives so, and re-lays out only the
+    parameters and gradients the optimizer sees cut otherwise than the specs,
+    not the whole state in and out of every step (8B dense on ``2 x 2 x 2``
+    with the one-dimensional view: 21.0 GiB of temporaries with the state
+    laid out as the parameters, 6.5 GiB so).
 
     Returns:
       A tree like ``params`` of ``PartitionSpec``.
     """
     leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     fast = tuple(a for a in (FSDP_AXIS, TENSOR_AXIS) if a in mesh.axis_names)
-    _, view = shard_view(params, leaves, fast, mesh)
+    _, view = shard_view(params, leaves, fast, mesh, own=tx is not None and works_on_any_cut(tx))
     return jax.tree.unflatten(jax.tree.structure(params), view)
 
 
@@ -628,7 +636,7 @@ def build(size: str, method: str, layout: str, mesh, *, precision: str = "mixed"
         specs = tensor_specs(params, mesh) if tensor else parallel.fsdp_specs(params, mesh, fast_axis=FAST_AXIS)
         sspecs = parallel.state_specs(tx, params, specs, mesh)
         if tensor and layout == "sharded":  # compjax's state laid out as its optimizer sees it: no re-layout
-            sspecs = parallel.state_specs(tx, params, optimizer_view(params, specs, mesh), mesh)
+            sspecs = parallel.state_specs(tx, params, optimizer_view(params, specs, mesh, tx), mesh)
         whole_bytes = _whole_bytes([(state, sspecs), (params, specs)]) + batch_bytes
     if layout == REFERENCE_LAYOUT:
         p_in, s_in = _structs(params, specs, mesh), _structs(state, sspecs, mesh)
@@ -882,8 +890,10 @@ def markdown(result: dict) -> str:
          "`NamedSharding`-sharded over the fast axis, batch over both axes, dense AdamW, no compjax"
          + ("; on a `data x fsdp x tensor` mesh the parameters (the reference's and compjax's) and the reference's "
             "AdamW moments laid out by logical-axis rules, `embed` over `fsdp`, `vocab`, `heads` and `mlp` over "
-            "`tensor` (`tensor_specs`), compjax's optimizer state as its optimizer sees the parameters (each "
-            "sharded leaf cut along one dimension over `fsdp` and `tensor` together, `optimizer_view`), the "
+            "`tensor` (`tensor_specs`), compjax's optimizer state as its optimizer sees the parameters "
+            "(`optimizer_view`: for dense and Streaming DiLoCo, whose compressors work on shards cut any way, every "
+            "leaf sharded over both fast axes as `tensor_specs` lays it out; otherwise each sharded leaf cut along "
+            "one dimension over `fsdp` and `tensor` together), the "
             "reference's batch over `data` and `fsdp`, compjax's over all three axes"
             if any(r["mesh"].count("x") == 2 for r in rows) else "") + ").  "),
         (f"Load average before {', '.join(f'{x:.2f}' for x in load.get('before', []))}, after "
