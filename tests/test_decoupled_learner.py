@@ -236,3 +236,18 @@ def test_a_send_lost_with_a_syncer_restart_is_sent_again_and_the_inner_steps_are
     for a, b in zip(jax.tree.leaves(lrn.params), before):
         assert not np.array_equal(np.asarray(a), b)  # mixed in: 0.5 x + 0.5 (the restored values)
     lrn._sender.shutdown(wait=True)
+
+
+def test_a_learner_whose_outer_gradient_is_not_finite_says_so(caplog):
+    """Parameters gone NaN: the compressor's guard sends the message of zeros (finite) in place of the outer gradient,
+    and the learner warns (it used to send it without a word)."""
+    transport = InProcessTransport(["a"])
+    nan_step = lambda params, inner_state, target: (jax.tree.map(lambda x: x * np.nan, params), inner_state, 0.0)
+    lrn = Learner("a", nan_step, init(), (), transport, sync_every=1, compressor=cj.e3m0())  # skips non-finite
+    with caplog.at_level(logging.WARNING, logger="compjax.decoupled"):
+        lrn.step(1.0)
+        incoming = transport.receive(timeout=30)
+        lrn._sender.shutdown(wait=True)
+    values = incoming.pull()
+    assert all(np.all(np.isfinite(np.asarray(v, np.float64))) for v in values if np.asarray(v).dtype.kind == "f")
+    assert "outer gradient of fragment 0 is not finite" in caplog.text
