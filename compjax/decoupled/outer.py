@@ -84,8 +84,8 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9) -> optax
     lr, beta = float(learning_rate), float(momentum)
 
     def init(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return DelayedNesterovState(jnp.zeros((), jnp.float32), zeros, jax.tree.map(jnp.zeros_like, params))
+        zeros = jax.tree.map(jnp.zeros_like, params)  # arrays are immutable: trace and buffer may share them
+        return DelayedNesterovState(jnp.zeros((), jnp.float32), zeros, zeros)
 
     def update(updates, state, params=None, *, share=1.0, **extra):
         del params, extra
