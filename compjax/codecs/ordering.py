@@ -61,7 +61,10 @@ def after(x: jnp.ndarray, token: jnp.ndarray | None) -> jnp.ndarray:
     """``x`` unchanged (bit for bit), computed after the array ``token`` was read from (:func:`zero_after`).
 
     A select on ``token == 1`` (never true, not known to the compiler); the
-    compare and the select fuse into the pass that writes ``x``.
+    compare and the select fuse into the pass that writes ``x``.  A bfloat16 or
+    float16 ``x`` is selected through its bits, as in :func:`tie` (XLA:CPU's
+    elemental emitters compute a bfloat16 selection in float32, which turns a
+    NaN's payload into the canonical one).
 
     Args:
       x: any array.
@@ -70,7 +73,7 @@ def after(x: jnp.ndarray, token: jnp.ndarray | None) -> jnp.ndarray:
     Returns:
       ``x``: same shape, dtype and bits.
     """
-    return x if token is None else jnp.where(token == 1, jnp.zeros_like(x), x)
+    return x if token is None else _keep(x, token == 1)
 
 
 def one_trip(count: jnp.ndarray) -> jnp.ndarray:
@@ -104,11 +107,16 @@ def tie(x: jnp.ndarray, i: jnp.ndarray) -> jnp.ndarray:
     Returns:
       ``x``: same shape, dtype and bits.
     """
+    return _keep(x, i < 0)
+
+
+def _keep(x: jnp.ndarray, never: jnp.ndarray) -> jnp.ndarray:
+    """``x`` bit for bit: zeros where the boolean scalar ``never`` (never true) holds, selected as :func:`tie` says."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
-        return jnp.where(i < 0, jnp.zeros_like(x), x)
+        return jnp.where(never, jnp.zeros_like(x), x)
     bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-    return jax.lax.bitcast_convert_type(jnp.where(i < 0, jnp.zeros_like(bits), bits), x.dtype)
+    return jax.lax.bitcast_convert_type(jnp.where(never, jnp.zeros_like(bits), bits), x.dtype)
 
 
 def settled(tree: Any, count: jnp.ndarray) -> Any:
