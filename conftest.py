@@ -27,14 +27,20 @@ NUM_DEVICES = 8
 CPU_FLAGS = {
     "--xla_force_host_platform_device_count": str(NUM_DEVICES),
     "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
+}
+#: XLA:CPU compiling fast (see above); left out in a process started with ``COMPJAX_TEST_CODEGEN=users``
+FAST_COMPILE_FLAGS = {
     "--xla_backend_optimization_level": "0",
     "--xla_cpu_use_fusion_emitters": "false",
 }
+if os.environ.get("COMPJAX_TEST_CODEGEN") != "users":
+    CPU_FLAGS.update(FAST_COMPILE_FLAGS)
 
 
 def force_cpu_devices(flags: dict = CPU_FLAGS) -> None:
     """Set ``flags`` in ``XLA_FLAGS`` (keeping the others) and the CPU platform; effective before JAX's backend starts."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in flags]
+    ours = {*flags, *FAST_COMPILE_FLAGS}  # the fast-compile flags of a parent test process are not kept
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in ours]
     os.environ["XLA_FLAGS"] = " ".join([*kept, *(f"{k}={v}" for k, v in flags.items())])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -76,3 +76,32 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker(SLOW)]
+
+
+# --- the code users get ----------------------------------------------------------------------------------------
+
+USERS_CODEGEN = "users_codegen"  # the marker (registered in pyproject.toml)
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """Run a test marked ``users_codegen`` in a new pytest process without XLA:CPU's fast-compile flags.
+
+    The tests compile with flags that make XLA:CPU compile fast (conftest.py at the root); a test whose claim
+    holds for the code XLA compiles by default (two programs equal to 1e-6 where XLA's fusions decide the
+    rounding, say) and whose programs are compiled where ``compiler_options`` cannot reach (a user's step built
+    inside the code under test) is marked, and runs in a process started with ``COMPJAX_TEST_CODEGEN=users``.
+    """
+    if pyfuncitem.get_closest_marker(USERS_CODEGEN) is None or os.environ.get("COMPJAX_TEST_CODEGEN") == "users":
+        return None
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
+    env["COMPJAX_TEST_CODEGEN"] = "users"
+    root = pyfuncitem.config.rootpath
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--all",
+                          pyfuncitem.nodeid], cwd=root, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} in a process with XLA's default code generation "
+                    f"(exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-2000:]}", pytrace=False)
+    return True

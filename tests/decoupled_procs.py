@@ -73,13 +73,20 @@ def run_syncer(run: dict, out: Path, stop: threading.Event, last: bool) -> None:
     server = threading.Thread(target=syncer.serve, args=(transport, done), daemon=True)
     server.start()
     saved = len(syncer.merges)
+    last_step = sum(syncer.versions()) if run.get("restore_from") else -1  # the newest checkpoint's step
     target, reached = run.get("versions"), None
     while not stop.is_set() and server.is_alive():
         if ckpt and len(syncer.merges) > saved:
             saved = len(syncer.merges)
             step = sum(syncer.versions())  # merges made, restored ones included: grows across restarts
-            syncer.save(ckpt, step)  # the state of at least ``step`` merges, taken under the syncer's lock
-            say(f"saved step {step}")
+            # A merge is listed in ``merges`` before its fragment's version moves on (read here without the
+            # syncer's lock): the step may not have grown yet, and a checkpoint's step must (as the launcher's).
+            if step > last_step:
+                syncer.save(ckpt, step)  # the state of at least ``step`` merges, taken under the syncer's lock
+                say(f"saved step {step}")
+                for k in range(max(last_step, 0) + 1, step + 1):  # the step can grow by several at once
+                    say(f"saved at least {k} merges")
+                last_step = step
         if reached is None and target is not None and min(syncer.versions()) >= target:
             reached = time.monotonic()
             say(f"syncer reached {target} {run['name']}")

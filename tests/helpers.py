@@ -8,6 +8,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "data"
+#: ``compiler_options`` of one compilation (``jax.jit(..., compiler_options=...)``, ``lowered.compile(...)``) that
+#: give the code users get: the tests' processes compile with XLA:CPU's fast-compile flags (conftest.py at the
+#: root), whose fusions differ, so a test that measures a program's memory or promises bits across two
+#: compiled copies of one expression compiles with these (XLA's defaults).
+USERS_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 #: Bytes of the non-finite vote every compressor adds to a multi-worker step (one int32 pmax).
 VOTE = 4
 

@@ -14,7 +14,7 @@ import pytest
 
 import compjax as cj
 from compjax.compressors import applying
-from tests.helpers import AXIS
+from tests.helpers import AXIS, USERS_CODEGEN
 from tests.test_diloco import init_params, stack, targets
 from tests.test_diloco_memory import _params, _small_sharded_step
 
@@ -87,7 +87,7 @@ def test_after_a_sync_the_workers_hold_the_new_global_parameters_exactly():
     tx = _methods()["diloco"]()
     p, s = stack(init_params(), N), stack(tx.init(init_params()), N)
     f = jax.jit(jax.vmap(lambda p, s, c: cj.apply_gradients(tx, jax.tree.map(lambda x, y: x - y, p, c), s, p),
-                         axis_name=AXIS))
+                         axis_name=AXIS), compiler_options=USERS_CODEGEN)
     for c in targets(2, N, seed=4):
         p, s = f(p, s, c)
     for x, a in zip(jax.tree.leaves(p), [a for frag in s.anchor for a in frag]):
@@ -97,7 +97,7 @@ def test_after_a_sync_the_workers_hold_the_new_global_parameters_exactly():
 def _temp_over_params(step, tx, grad_dtype):
     params = _params()
     grads = jax.tree.map(lambda p: jnp.ones(p.shape, grad_dtype), params)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), grads).compile()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), grads).compile(USERS_CODEGEN)
     return compiled.memory_analysis().temp_size_in_bytes / sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 

@@ -21,6 +21,7 @@ import pytest
 
 import compjax as cj
 from compjax import parallel
+from tests.helpers import USERS_CODEGEN
 
 MAKERS = {
     "dgc": lambda ax: cj.dgc(0.01, momentum=0.9, axis_name=ax),
@@ -78,7 +79,7 @@ def test_update_holds_one_layers_float32_temporaries(name, dtype):
     grads = {k: jax.ShapeDtypeStruct(SHAPE, dtype) for k in params}
     tx = MAKERS[name](None)
     state = jax.eval_shape(tx.init, params)
-    ma = jax.jit(tx.update, donate_argnums=(0, 1)).lower(grads, state).compile().memory_analysis()
+    ma = jax.jit(tx.update, donate_argnums=(0, 1)).lower(grads, state).compile(USERS_CODEGEN).memory_analysis()
     layer = int(np.prod(SHAPE)) * 4
     assert ma.temp_size_in_bytes < 2 * layer, (name, ma.temp_size_in_bytes / layer)
 
@@ -117,7 +118,7 @@ def test_sharded_step_temporaries_stay_those_of_the_dense_step(name):
         tx = optax.chain(make(), optax.adamw(1e-3))
         p, s = parallel.replicate(real, mesh, specs=specs), parallel.init_worker_state(tx, real, mesh, specs=specs)
         step = parallel.data_parallel_step(_scan_loss, tx, mesh, specs=specs, donate=True)
-        temp[method] = step.lower(p, s, batch).compile().memory_analysis().temp_size_in_bytes
+        temp[method] = step.lower(p, s, batch).compile(USERS_CODEGEN).memory_analysis().temp_size_in_bytes
     shard = L * D * D * 4 // 4
     assert temp[name] <= temp["dense"] + shard, (temp, shard)
 

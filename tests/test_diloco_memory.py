@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import compjax as cj
 from compjax import parallel
+from tests.helpers import USERS_CODEGEN
 
 #: Four stacked "blocks" of 4 layers of 256 x 256 and a head: 4.1 MiB of float32 parameters.
 L, N = 4, 256
@@ -37,7 +38,7 @@ def _temp_over_params(tx, grad_dtype) -> float:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile(USERS_CODEGEN)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     return compiled.memory_analysis().temp_size_in_bytes / param_bytes
 
@@ -85,7 +86,7 @@ def _small_sharded_step(tx):
                             tree, tree_specs, is_leaf=lambda s: isinstance(s, P))
 
     batch = jax.ShapeDtypeStruct((8, 9), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fast"))))
-    return step.lower(structs(params, specs), structs(state, sspecs), batch).compile()
+    return step.lower(structs(params, specs), structs(state, sspecs), batch).compile(USERS_CODEGEN)
 
 
 @pytest.mark.slow

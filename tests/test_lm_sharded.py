@@ -142,6 +142,7 @@ def lm_losses(tx, *, through_compjax, steps, shape=(2, 2, 2), rows=16):
 
 
 @pytest.mark.slow  # two compiles of the LM on 2 x 2 x 2 and 40 steps (~30 s on 2 cores)
+@pytest.mark.users_codegen  # 1e-6 between two programs: XLA's default fusions (the fast-compile ones: 1.2e-6)
 def test_identity_through_the_programs_own_step_equals_the_program_without_compjax():
     """20 steps of cj.identity + AdamW through worker_step on data=2 x fsdp=2 x tensor=2, dropout off, equal
     the program's own step with AdamW alone on the whole batch (loss per step to 1e-6): the mean of two

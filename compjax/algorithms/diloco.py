@@ -607,8 +607,8 @@ def diloco(
                     def sent(a, own):  # Δ = θ^g - θ: computed inside the synchronization
                         return [x - t.astype(x.dtype) for x, t in zip(a, own)]
 
-                    def ups(new, own):  # the local parameters: taken from the stored new anchor after the loop
-                        return own
+                    def ups(new, own):  # the local parameters take the new global ones
+                        return [n.astype(t.dtype) for n, t in zip(new, own)]
                 else:
                     def sent(a, own, idx=idx):  # Δ = θ^g - θ, θ = p + u: computed inside the synchronization
                         return [x - (p_leaves[i].astype(x.dtype) + u.astype(x.dtype)) for i, x, u in zip(idx, a, own)]
@@ -621,11 +621,6 @@ def diloco(
                     due, sent, anchor, outer_state, comm_state, f_dims, [carried[i] for i in idx], ups)
                 for i, up in zip(idx, own):
                     carried[i] = up
-                if apply:  # the local parameters take the new global ones, read from the anchor the loop stored:
-                    # bit for bit (computed again for a second output inside the loop, XLA:CPU's elemental
-                    # emitters left some one rounding apart)
-                    for i, a in zip(idx, new_anchor):
-                        carried[i] = jnp.where(due, a.astype(carried[i].dtype), carried[i])
             else:  # Δ stored tau steps ago, exchanged now; merged with weight alpha on the local side
                 due = (s - tau >= 1) & ((s - tau - offsets[p]) % H == 0)
                 new_anchor, outer_state, comm_state, _ = fragment_sync(
