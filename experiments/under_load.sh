@@ -30,7 +30,13 @@ SLOW_FILES=(
 
 stress --cpu "$LOAD" >/dev/null 2>&1 &
 STRESS=$!
-trap 'kill $STRESS 2>/dev/null; pkill -P $STRESS 2>/dev/null' EXIT
+RUN=""  # the running pytest's process group (its xdist workers and the processes its tests start)
+cleanup() {
+  [ -n "$RUN" ] && kill -- "-$RUN" 2>/dev/null
+  kill "$STRESS" 2>/dev/null; pkill -P "$STRESS" 2>/dev/null
+}
+trap cleanup EXIT
+trap 'echo "under_load: stopped" | tee -a "$SUMMARY"; exit 130' INT TERM
 sleep 5
 echo "under_load: stress --cpu $LOAD (pid $STRESS), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$SUMMARY"
 
@@ -38,8 +44,11 @@ failed=0
 part() {  # part NAME ARGS...: one pytest run under the load, its summary line and time in the summary
   local name="$1"; shift
   local log="$OUT/$name.log" start=$SECONDS
-  "$PY" -m pytest -q "$@" >"$log" 2>&1
+  setsid "$PY" -m pytest -q "$@" >"$log" 2>&1 &  # a group of its own, stopped whole on Ctrl-C
+  RUN=$!
+  wait "$RUN"
   local status=$?
+  RUN=""
   local took=$((SECONDS - start))
   local aborts
   aborts=$(grep -c "Termination timeout" "$log")
