@@ -13,6 +13,8 @@ quarter), no other collective touching the worker axis.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,35 +49,49 @@ def loss(p, batch):
     return jnp.mean((h @ p["w2"] + p["b2"] + p["s"] - y) ** 2)
 
 
-def run_both(tx, specs, steps=5):
-    """``steps`` steps of the replicated 2-D layout (2 x 4) and of the sharded one on data x fsdp x tensor."""
+@functools.cache
+def replicated_reference(name, steps=5):
+    """``steps`` steps of registry case ``name`` (before SGD) in the replicated 2-D layout (2 x 4): the gathered
+    parameters, ``payload_bytes`` and the last losses (NumPy).  The same for both layouts of the sharded run, so
+    each worker process trains it once per case."""
+    tx = optax.chain(CASES[name].make(axis_name="data"), optax.sgd(0.1))
     init, batches = battery_problem()
-    mesh2, mesh = parallel.make_2d_mesh(SLOW, FAST), mesh3()
+    mesh2 = parallel.make_2d_mesh(SLOW, FAST)
     rp, rs = parallel.replicate(init, mesh2, fast_axis="fast"), parallel.init_worker_state(tx, init, mesh2,
                                                                                             fast_axis="fast")
-    sp, ss = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
     replicated = parallel.data_parallel_step(loss, tx, mesh2, fast_axis="fast")
+    for b in batches[:steps]:
+        rp, rs, rl = replicated(rp, rs, parallel.shard_batch(b, mesh2, fast_axis="fast"))
+    return jax.tree.map(np.asarray, parallel.gather(rp)), np.asarray(cj.payload_bytes(rs)), np.asarray(rl)
+
+
+def run_sharded(tx, specs, steps=5):
+    """``steps`` steps of the sharded layout on data x fsdp x tensor: parameters and state, the last losses, the
+    compiled step (the very program that ran) and the mesh."""
+    init, batches = battery_problem()
+    mesh = mesh3()
+    sp, ss = parallel.replicate(init, mesh, specs=specs), parallel.init_worker_state(tx, init, mesh, specs=specs)
     step = parallel.data_parallel_step(loss, tx, mesh, specs=specs)
     rows = jax.NamedSharding(mesh, P(("data", "fsdp", "tensor")))
     compiled = step.lower(sp, ss, jax.device_put(batches[0], rows)).compile()
-    for b in batches:
-        rp, rs, rl = replicated(rp, rs, parallel.shard_batch(b, mesh2, fast_axis="fast"))
+    for b in batches[:steps]:
         sp, ss, sl = compiled(sp, ss, jax.device_put(b, rows))
-    np.testing.assert_allclose(np.asarray(sl), np.asarray(rl), rtol=1e-6, atol=1e-6)
-    return (rp, rs), (sp, ss), compiled, mesh
+    return (sp, ss), np.asarray(sl), compiled, mesh
 
 
 def check_case(name, specs):
     case = CASES[name]
     tx = optax.chain(case.make(axis_name="data"), optax.sgd(0.1))
-    (rp, rs), (sp, ss), compiled, mesh = run_both(tx, specs)
-    got, want = parallel.gather(sp), parallel.gather(rp)
+    (sp, ss), sl, compiled, mesh = run_sharded(tx, specs)
+    want, want_sent, rl = replicated_reference(name)
+    np.testing.assert_allclose(sl, rl, rtol=1e-6, atol=1e-6)
+    got = parallel.gather(sp)
     for k in want:
         np.testing.assert_allclose(got[k], want[k][::FAST], rtol=1e-6, atol=1e-6, err_msg=k)
     # The stored layout is the specs' (w1 a (3, 8) block under P('fsdp', 'tensor'), (6, 4) under the other).
     assert sp["w1"].addressable_shards[0].data.shape == ((1, 3, 8) if specs is TWO_DIMS else (1, 6, 4))
     sent = np.asarray(cj.payload_bytes(ss))
-    np.testing.assert_array_equal(sent, np.asarray(cj.payload_bytes(rs)))
+    np.testing.assert_array_equal(sent, want_sent)
     ops = cj.audit_collectives(compiled)
     counted = cj.accounting.bytes_by_axes(ops, mesh, "compjax")
     assert set(counted) <= {("data",)}, counted

@@ -5,6 +5,8 @@ each kernel its mesh axes, dropout off = a deterministic function); its train st
 ``parallel.worker_step`` is checked against the same program without compjax.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,10 @@ from jax.sharding import PartitionSpec as P
 from experiments.lm import sharded as S
 
 CFG = S.CONFIGS["tiny"]
+#: The LM with one block for the step compared across two programs: one block holds every kind of parameter
+#: and layout of the LM (the embedding gather, attention, MLP, LayerNorms, head); a second one repeats them,
+#: and the blocks are unrolled, so it doubled the compiles (XLA's default code generation, the slowest).
+ONE_BLOCK = dataclasses.replace(CFG, n_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -115,27 +121,27 @@ def mesh3(shape=(2, 2, 2)):
 
 def lm_losses(tx, *, through_compjax, steps, shape=(2, 2, 2), rows=16):
     """Per-step losses of the LM's own jitted step (in/out shardings from the rules, static config) on a
-    ``data x fsdp x tensor`` mesh: alone on the whole batch, or through ``parallel.worker_step`` (the mean of
-    the workers' losses: equal halves of the batch)."""
+    ``data x fsdp x tensor`` mesh (the LM of one block, ``ONE_BLOCK``): alone on the whole batch, or through
+    ``parallel.worker_step`` (the mean of the workers' losses: equal halves of the batch)."""
     from compjax import parallel
 
     mesh = mesh3(shape)
-    graphdef, params = S.init(CFG)
-    specs = S.param_specs(CFG, mesh=mesh)
+    graphdef, params = S.init(ONE_BLOCK)
+    specs = S.param_specs(ONE_BLOCK, mesh=mesh)
     ps = S.shardings(mesh, specs)
     ss = S.shardings(mesh, parallel.state_specs(tx, params, specs, mesh))
     own = S.make_train_step(graphdef, tx, param_shardings=ps, opt_shardings=ss, donate=False)
     if through_compjax:
         p, s = parallel.replicate(params, mesh, specs=specs), parallel.init_worker_state(tx, params, mesh, specs=specs)
-        step = parallel.worker_step(lambda p, s, b: own(p, s, b, None, CFG), mesh)
+        step = parallel.worker_step(lambda p, s, b: own(p, s, b, None, ONE_BLOCK), mesh)
     else:
         p, s = jax.device_put(params, ps), jax.device_put(tx.init(params), ss)
-        step = lambda p, s, b: own(p, s, b, None, CFG)
+        step = lambda p, s, b: own(p, s, b, None, ONE_BLOCK)
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
-        starts = rng.integers(0, CFG.vocab, size=(rows, 1))  # counting sequences: learnable
-        windows = ((starts + np.arange(CFG.seq_len + 1)) % CFG.vocab).astype(np.int32)
+        starts = rng.integers(0, ONE_BLOCK.vocab, size=(rows, 1))  # counting sequences: learnable
+        windows = ((starts + np.arange(ONE_BLOCK.seq_len + 1)) % ONE_BLOCK.vocab).astype(np.int32)
         p, s, loss = step(p, s, windows)
         losses.append(float(np.mean(np.asarray(loss))))
     return np.array(losses), p, s

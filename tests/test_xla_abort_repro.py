@@ -15,7 +15,11 @@ layout of ``parallel.worker_step`` on a ``data x fsdp (x tensor)`` mesh:
 
 Each case compiles and runs one step in a fresh interpreter and fails on a non-zero exit, so an abort fails
 the test instead of killing pytest.  The pure-JAX programs (no compjax) show where XLA stands: the layout
-compjax takes compiles.
+compjax takes compiles.  The interpreter gets the tests' XLA:CPU fast-compile flags (LLVM without its
+optimization passes, the elemental emitters; see conftest.py at the root) and none of the others: both aborts
+are in the SPMD partitioner, an HLO pass that runs before code generation and the same under these flags, and
+the compiles take about half the time.  The LM has one block (``n_layers=1``): the embedding lookup and every
+kernel's layout are in it, and a second block would repeat them and double the compile.
 """
 
 import os
@@ -30,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PRELUDE = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 """
@@ -56,13 +60,14 @@ print("OK", float(loss[0]))
 
 #: The LM's own step through worker_step (token embedding by gather, kernels over fsdp and tensor).
 LM = """
+import dataclasses
 import sys
 import compjax as cj
 from compjax import parallel
 from experiments.lm import sharded as S
 method, shape = sys.argv[1], tuple(int(v) for v in sys.argv[2].split("x"))
 mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
-cfg = S.CONFIGS["tiny"]
+cfg = dataclasses.replace(S.CONFIGS["tiny"], n_layers=1)
 graphdef, params = S.init(cfg)
 specs = S.param_specs(cfg, mesh=mesh)
 tx = {"identity": lambda: optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-3)),
@@ -112,9 +117,14 @@ print("OK", float(f(table, ids).sum()))
 """
 
 
+#: XLA:CPU's fast-compile flags (the test process holds them unless run with COMPJAX_TEST_CODEGEN=users).
+FAST_COMPILE = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+
+
 def compile_in_subprocess(source: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if f.split("=")[0] in FAST_COMPILE)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(PRELUDE + source), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
 
