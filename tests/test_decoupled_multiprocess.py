@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import compjax as cj
+from tests.child_flags import xla_flags
 from tests.helpers import AXIS
 from tests.test_diloco import run_vmap
 
@@ -45,9 +46,12 @@ def free_address() -> str:
 class Proc:
     """One process of tests/decoupled_procs.py, its output in a log file."""
 
-    def __init__(self, role: str, config: dict, log: Path, devices: int = 1):
+    def __init__(self, role: str, config: dict, log: Path, devices: int = 1, users_codegen: bool = False):
+        """``users_codegen``: XLA's default flags (the code users get), for a run whose bits are compared across
+        processes; else the tests' fast-compile flags (half the compile time)."""
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        flags = f"--xla_force_host_platform_device_count={devices}" if users_codegen else xla_flags(devices)
+        env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
         self.log_path, self.role = log, role
         self._file = log.open("w")
         self.p = subprocess.Popen([sys.executable, "-m", "tests.decoupled_procs", role, json.dumps(config)],
@@ -98,8 +102,8 @@ def procs():
         p._file.close()
 
 
-def start(procs, role, config, log):
-    p = Proc(role, config, log)
+def start(procs, role, config, log, users_codegen=False):
+    p = Proc(role, config, log, users_codegen=users_codegen)
     procs.append(p)
     return p
 
@@ -129,10 +133,11 @@ def test_two_learner_processes_equal_diloco_in_one_spmd_program(tmp_path, procs)
     runs.append({"name": "bf16_replies", "P": 2, "H": 4, "steps": 12, "comp": "chunktopk", "versions": 3,
                  "reply": "bfloat16", "address": free_address()})
     base = {"out": str(tmp_path), "learners": ["l0", "l1"], "n": 2, "runs": runs}
-    syncer = start(procs, "syncer", base, tmp_path / "syncer.log")
+    # The learners' anchors are compared with the syncer's fragments bit for bit: XLA's default flags.
+    syncer = start(procs, "syncer", base, tmp_path / "syncer.log", users_codegen=True)
     syncer.wait_for("syncer bound", "syncer start-up", timeout=START_S)
-    learners = [start(procs, "learner", {**base, "name_self": f"l{i}", "index": i}, tmp_path / f"l{i}.log")
-                for i in range(2)]
+    learners = [start(procs, "learner", {**base, "name_self": f"l{i}", "index": i}, tmp_path / f"l{i}.log",
+                      users_codegen=True) for i in range(2)]
     for run in runs:
         for i, lrn in enumerate(learners):
             lrn.wait_for(f"learner l{i} done {run['name']}", f"run {run['name']}: learner l{i} training",

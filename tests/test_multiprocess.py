@@ -21,13 +21,16 @@ import pytest
 import compjax as cj
 from compjax import parallel
 from compjax.checkpoint import Checkpointer
+from tests.child_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env(cache: Path | None = None):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # each command sets its own device count
+    # Each command sets its own device count; the processes compile with the tests' fast-compile flags (half the
+    # compile time; what is checked below is a tolerance and messages, not bits).
+    env["XLA_FLAGS"] = xla_flags()
     if cache is not None:  # a persistent compilation cache: a restarted run compiles nothing
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -92,7 +95,7 @@ def test_two_processes_match_one_process(tmp_path, pace):
                  phase="2 processes x 2 devices, 20 steps", timeout=limit(pace, 300, 150))
     assert two.returncode == 0, two.stdout + (tmp_path / "logs" / "process_1.log").read_text()
     assert "process 1 of 2: 4 workers" in (tmp_path / "logs" / "process_1.log").read_text()
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**_env(), "XLA_FLAGS": xla_flags(4)}
     one = run([sys.executable, "-m", "experiments.distributed_check", "--out", str(tmp_path / "1x4")],
               "1 process x 4 devices, 20 steps", limit(pace, 300, 150), env=env)
     assert one.returncode == 0, one.stdout + one.stderr
