@@ -14,11 +14,13 @@ test's time is XLA compiling.  Two flags make XLA:CPU compile faster and run a
 little slower, without fast math: LLVM without its optimization passes, and the
 elemental emitters instead of the newer fusion emitters.  On this project's
 tests (jaxlib 0.10.2, 2 cores) they cut a run's time by half.  What a program
-computes stays the same up to rounding where XLA computes one expression twice
-(code that promises bits, such as DiLoCo's local parameters equal to the global
-ones after a synchronization, must not depend on that, and the tests check it
-under these flags).  Every process a test starts inherits them (``XLA_FLAGS``);
-programs run outside the tests (users', the benchmarks') do not get them.
+computes stays the same up to rounding where XLA computes one expression twice,
+but the fusions, and so the memory of a program, differ: the tests that measure
+memory or promise bits between two compiled programs compile with XLA's defaults
+(``tests.helpers.USERS_CODEGEN``, the ``users_codegen`` marker of
+tests/conftest.py).  Every process a test starts inherits the flags
+(``XLA_FLAGS``); programs run outside the tests (users', the benchmarks') do not
+get them.
 """
 
 import os
