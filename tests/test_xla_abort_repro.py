@@ -18,8 +18,9 @@ the test instead of killing pytest.  The pure-JAX programs (no compjax) show whe
 compjax takes compiles.  The interpreter gets the tests' XLA:CPU fast-compile flags (LLVM without its
 optimization passes, the elemental emitters; see conftest.py at the root) and none of the others: both aborts
 are in the SPMD partitioner, an HLO pass that runs before code generation and the same under these flags, and
-the compiles take about half the time.  The LM has one block (``n_layers=1``): the embedding lookup and every
-kernel's layout are in it, and a second block would repeat them and double the compile.
+the compiles take about half the time.  The LM has one block (``n_layers=1``) but in the reported SparseLoCo case: the
+embedding lookup and every kernel's layout are in it, and a second block would repeat them and double the
+compile.
 """
 
 import os
@@ -67,7 +68,7 @@ from compjax import parallel
 from experiments.lm import sharded as S
 method, shape = sys.argv[1], tuple(int(v) for v in sys.argv[2].split("x"))
 mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
-cfg = dataclasses.replace(S.CONFIGS["tiny"], n_layers=1)
+cfg = dataclasses.replace(S.CONFIGS["tiny"], n_layers=int(sys.argv[3]))
 graphdef, params = S.init(cfg)
 specs = S.param_specs(cfg, mesh=mesh)
 tx = {"identity": lambda: optax.chain(cj.identity(axis_name="data"), optax.adamw(1e-3)),
@@ -141,9 +142,12 @@ def test_chunk_top_k_of_a_layer_in_fewer_tiles_than_devices_compiles():
 
 
 @pytest.mark.slow  # a fresh interpreter and the LM's compile (~20 s on 2 cores)
-@pytest.mark.parametrize("method,shape", [("sparseloco", "2x4x1"), ("identity", "2x2x2"), ("sparseloco", "2x2x2")])
-def test_the_lm_through_worker_step_compiles(method, shape):
-    assert_ran(compile_in_subprocess(LM, method, shape))
+@pytest.mark.parametrize("method,shape,blocks", [("sparseloco", "2x4x1", 2), ("identity", "2x2x2", 1),
+                                                 ("sparseloco", "2x2x2", 1)])
+def test_the_lm_through_worker_step_compiles(method, shape, blocks):
+    """The first case is the program that aborted as reported (SparseLoCo, data=2 x fsdp=4, the whole two-block
+    tiny LM: a smaller program with the same leaf shapes compiled); the others the one-block LM."""
+    assert_ran(compile_in_subprocess(LM, method, shape, str(blocks)))
 
 
 @pytest.mark.slow  # a fresh interpreter (~5 s on 2 cores)
