@@ -468,7 +468,9 @@ def audit_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     statistics) are not flagged, nor all-reduces that stay inside a worker
     (XLA partitioning each worker's step over ``fsdp`` / ``tensor``: no group
     of theirs holds two devices that meet in a group of compjax's collectives,
-    which run over the worker axis).
+    which run over the worker axis; those XLA's partitioner inserts inside
+    compjax's scope to lay its values out over a worker's devices do not tell
+    workers apart and are left out).
 
     **Bytes.**  The bytes are those of the compiled operands, which can differ
     from the traced dtype: XLA:CPU reduces bfloat16 as float32 and float8 as
@@ -550,12 +552,31 @@ def _dense_float_others(op: Collective) -> int:
                if who is None and d.startswith(("f", "bf")))
 
 
+#: The last op-name segment of a collective JAX traced (``.../compjax/dense_mean/psum``): what compjax's own
+#: collectives over the worker axis are named in the compiled program.  A collective XLA's partitioner inserts
+#: inside compjax's scope, to lay out compjax's values over a worker's devices, carries the name of the op it
+#: partitions instead (``.../compjax/gathered_mean/shard_map``, ``.../reshape``).
+_JAX_COLLECTIVES = frozenset({
+    "psum", "pmax", "pmin", "psum_invariant", "unreduced_psum", "all_gather", "all_gather_invariant",
+    "all_gather_reduced", "all_to_all", "ragged_all_to_all", "ppermute", "pbroadcast", "reduce_scatter",
+    "unreduced_reduce_scatter"})
+
+
+def _traced_collective(scope: str) -> bool:
+    """Whether ``scope`` (one operand's op name) names a collective JAX traced, not one XLA inserted."""
+    return scope.rstrip(")").rsplit("/", 1)[-1] in _JAX_COLLECTIVES
+
+
 def _worker_pairs(ops: list[Collective]) -> set | None:
     """Pairs of devices of different workers: two devices that meet in a group of a collective compjax issued
-    (compjax's collectives run over the worker axis).  None when no such collective says its groups."""
+    (compjax's collectives run over the worker axis).  Only collectives JAX traced count (every operand's op
+    name ends in a collective's name): those XLA's partitioner inserts inside compjax's scope run inside a
+    worker.  None when no such collective says its groups."""
     pairs: set = set()
     for op in ops:
         if op.issuer != "compjax" or op.op == "collective-permute" or not op.replica_groups:
+            continue
+        if not all(_traced_collective(s) for s in op.scopes):
             continue
         for g in op.replica_groups:
             pairs.update((a, b) for a in g for b in g if a != b)

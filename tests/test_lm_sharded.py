@@ -171,7 +171,7 @@ def test_the_dense_gradient_flag_counts_only_all_reduces_between_workers():
 
     grads = 4096
     ours = acc.Collective("all-reduce", (("f32", (256,)),), 1024, "ours",
-                          replica_groups=((0, 4), (1, 5), (2, 6), (3, 7)), scopes=("jit(s)/compjax/dense_mean",))
+                          replica_groups=((0, 4), (1, 5), (2, 6), (3, 7)), scopes=("jit(s)/compjax/dense_mean/psum",))
     inside = acc.Collective("all-reduce", (("f32", (2048,)),), 8192, "inside",
                             replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)), scopes=("jit(s)/dot_general",))
     between = inside._replace(name="between", replica_groups=((0, 4), (1, 5), (2, 6), (3, 7)))
@@ -179,6 +179,12 @@ def test_the_dense_gradient_flag_counts_only_all_reduces_between_workers():
     assert [op.flag for op in acc._flag_dense_gradients([ours, inside, between], grads)] == [
         "", "", acc.DENSE_GRADIENTS]
     assert acc._flag_dense_gradients([inside], grads)[0].flag == acc.DENSE_GRADIENTS
+    # a collective XLA's partitioner inserts inside compjax's scope (laying compjax's result out over a worker's
+    # devices) is named after the op it partitions, not a collective: its groups do not tell workers apart
+    layout = ours._replace(name="layout", op="all-gather", replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)),
+                           scopes=("jit(s)/compjax/gathered_mean/shard_map",))
+    assert [op.flag for op in acc._flag_dense_gradients([ours, layout, inside, between], grads)] == [
+        "", "", "", acc.DENSE_GRADIENTS]
     # compjax reducing inside a host too (chunk top-k's statistics): its groups no longer tell workers apart,
     # but the step's map of each device's worker (worker_step's worker_of_device) does
     stats = ours._replace(name="stats", replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)))
