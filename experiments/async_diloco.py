@@ -333,7 +333,7 @@ def control_bytes(kind: str, msg) -> int:
     """The JSON bytes of a ``header`` or ``reply`` control frame of the multi-process transport (estimated).
 
     The transport's frames are JSON objects; this rebuilds one with the same fields (a transfer id of 19
-    digits and an address ``127.0.0.1:PORT``), so it is exact to a few bytes (a few more for a longer address).
+    digits, a CRC-32 of 10 and an address ``127.0.0.1:PORT``), so it is exact to a few bytes (a few more for a longer address).
     """
     import dataclasses
 
@@ -341,13 +341,13 @@ def control_bytes(kind: str, msg) -> int:
         h = dataclasses.asdict(msg)
         h["shapes"] = [list(s) for s in msg.shapes]
         h["dtypes"] = list(msg.dtypes)
-        frame = {"type": "header", "header": h, "uuid": 10**18, "address": "127.0.0.1:40000"}
+        frame = {"type": "header", "header": h, "uuid": 10**18, "crc": 2**32 - 1, "address": "127.0.0.1:40000"}
     else:
         frame = {"type": "reply", "learner": msg.learner, "fragment": msg.fragment, "version": msg.version,
                  "accepted": msg.accepted, "reason": msg.reason, "uuid": None}
         arrays = msg.arrays()
         if msg.values is not None or msg.update is not None:
-            frame.update(uuid=10**18, address="127.0.0.1:40000", shapes=[list(x.shape) for x in arrays],
+            frame.update(uuid=10**18, crc=2**32 - 1, address="127.0.0.1:40000", shapes=[list(x.shape) for x in arrays],
                          dtypes=[x.dtype.str for x in arrays], update=msg.values is None)
     return len(json.dumps(frame).encode())
 

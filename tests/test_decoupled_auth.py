@@ -190,7 +190,8 @@ def test_the_syncer_pulls_only_from_the_address_a_learner_advertised_in_its_hell
     try:
         advertised = a.transfer_address
         h = message(syncer, "a", 0, 0, 1.0, seed=1).header  # its frame, as send writes it, with another address
-        a._say({"type": "header", "header": multiprocess._header_dict(h), "uuid": 7, "address": "127.0.0.1:9"})
+        a._say({"type": "header", "header": multiprocess._header_dict(h), "uuid": 7, "crc": 0,
+               "address": "127.0.0.1:9"})
         assert drain(server, syncer, lambda: "pulls only from the address" in caplog.text) == []
         assert advertised in caplog.text and not syncer.refused and not syncer.merges and syncer.versions() == [0]
     finally:

@@ -30,7 +30,11 @@ Arrays move with ``jax.experimental.transfer``: every process runs a transfer se
 address its peers reach it at (its *advertised* host, see :class:`MultiProcessTransport`), and every
 ``header``, ``welcome`` and ``reply`` frame carries that server's ``HOST:PORT`` in its ``address``
 field; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver pulls them with
-``connect(address).pull(uuid, specs)``.  A pull from a process that died fails at once; a receive
+``connect(address).pull(uuid, specs)``.  The arrays of one offer travel as one buffer (their bytes one
+after the other) whose CRC-32 rides in the frame: jaxlib 0.10.2's transfer, when several arrays are
+pulled at once on a loaded machine, has delivered the first bytes of one array into another of the
+same pull (seen between CPU processes); one buffer per pull leaves nothing to mix up, and a buffer
+that arrives other than it left is refused with :class:`TransferError`, never used.  A pull from a process that died fails at once; a receive
 (the pull and the arrival of its arrays) that takes longer than ``pull_timeout_s`` is abandoned:
 the contribution is refused, and the syncer pulls nothing more from that learner until it says
 ``hello`` again (a learner killed in the middle of a transfer never completes it).  A learner
@@ -54,6 +58,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -257,15 +262,38 @@ def _bounded(fn, timeout: float, what: str):
     return box["value"]
 
 
-def _offer(arrays, server=None) -> int:
-    """Offer ``arrays`` (NumPy or JAX) for one pull on ``server`` (default: this process's first); their transfer id."""
+class TransferError(ConnectionError):
+    """The arrays of a transfer arrived other than they were sent (their CRC-32 differs): they are not used."""
+
+
+def _pack(arrays) -> np.ndarray:
+    """The bytes of ``arrays`` (NumPy or JAX; each in C order) one after the other: one uint8 array."""
+    parts = [np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8) for x in arrays]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _packed_bytes(shapes, dtypes) -> int:
+    return sum(math.prod(int(d) for d in s) * np.dtype(t).itemsize for s, t in zip(shapes, dtypes))
+
+
+def _unpack(buf: np.ndarray, shapes, dtypes) -> tuple:
+    """The arrays of ``shapes`` and ``dtypes`` whose bytes :func:`_pack` put one after the other in ``buf``."""
+    out, at = [], 0
+    for s, t in zip(shapes, dtypes):
+        shape, dt = tuple(int(d) for d in s), np.dtype(t)
+        n = math.prod(shape) * dt.itemsize
+        out.append(buf[at:at + n].view(dt).reshape(shape))
+        at += n
+    return tuple(out)
+
+
+def _offer(arrays, server=None) -> tuple[int, int]:
+    """Offer ``arrays`` (NumPy or JAX) for one pull on ``server`` (default: this process's first), packed into one
+    buffer (:func:`_pack`): the transfer id and the buffer's CRC-32 (``zlib.crc32``), both for the frame."""
     uuid = secrets.randbits(62)
-    device = jax.local_devices()[0]
-    # A single-device JAX array (a sharded learner's shard) is offered from its own device: never gathered.
-    (server or transfer_server()).await_pull(uuid, [
-        x if isinstance(x, jax.Array) and len(x.devices()) == 1 else jax.device_put(np.asarray(x), device)
-        for x in arrays])
-    return uuid
+    buf = _pack(arrays)  # a sharded learner's shards are read each from its own device: never gathered there
+    (server or transfer_server()).await_pull(uuid, [jax.device_put(buf, jax.local_devices()[0])])
+    return uuid, zlib.crc32(buf)
 
 
 def _transfer(address: str, uuid: int, specs: list) -> list:
@@ -273,19 +301,30 @@ def _transfer(address: str, uuid: int, specs: list) -> list:
     return transfer_server().connect(address).pull(uuid, specs)
 
 
-def _pull(address: str, uuid: int, shapes, dtypes, timeout: float, what: str) -> tuple:
-    """The arrays of transfer ``uuid`` as NumPy arrays; the whole receive bounded by ``timeout`` seconds.
+def _pull(address: str, uuid: int, shapes, dtypes, timeout: float, what: str, crc: int | None = None) -> tuple:
+    """The arrays of transfer ``uuid`` (offered by :func:`_offer`) as NumPy arrays of ``shapes`` and ``dtypes``;
+    the whole receive bounded by ``timeout`` seconds.
 
     ``pull`` returns before the values have arrived: waiting for them (``np.asarray``) is part of
-    the bounded receive, so a sender that dies mid-transfer costs at most ``timeout``.
+    the bounded receive, so a sender that dies mid-transfer costs at most ``timeout``.  With ``crc`` (the
+    sender's, from the frame) the bytes that arrived are checked against it.
 
     Raises:
       TimeoutError: the arrays did not arrive within ``timeout`` seconds.
+      TransferError: the bytes that arrived are not those sent (their CRC-32 differs from ``crc``).
     """
     if not shapes:
         return ()
-    specs = _specs(shapes, dtypes)
-    return _bounded(lambda: tuple(np.asarray(x) for x in _transfer(address, uuid, specs)), timeout, what)
+    specs = _specs([(_packed_bytes(shapes, dtypes),)], ["|u1"])
+
+    def receive():
+        buf = np.asarray(_transfer(address, uuid, specs)[0])
+        if crc is not None and (got := zlib.crc32(buf)) != int(crc):
+            raise TransferError(f"{what}: the arrays arrived corrupted (CRC-32 {got:#010x}, sent {int(crc):#010x}): "
+                                f"not used")
+        return _unpack(buf, shapes, dtypes)
+
+    return _bounded(receive, timeout, what)
 
 
 def _header_dict(h: Header) -> dict:
@@ -628,6 +667,7 @@ class MultiProcessTransport(Transport):
         elif kind == "header":
             try:
                 header, uuid, address = _header_from(msg["header"]), int(msg["uuid"]), str(msg["address"])
+                crc = int(msg["crc"])
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("transport: dropped a malformed header frame from %r: %s", name, e)
                 if isinstance(msg.get("uuid"), int):
@@ -652,7 +692,7 @@ class MultiProcessTransport(Transport):
                 record.pulled = True
                 try:
                     return _pull(address, uuid, h.shapes, h.dtypes, self._pull_timeout,
-                                 f"pull from learner {name!r}")
+                                 f"pull from learner {name!r}", crc)
                 except Exception:
                     self._unreachable.add(name)
                     logger.warning("transport: the transfer from learner %r failed: nothing is pulled from it "
@@ -681,9 +721,10 @@ class MultiProcessTransport(Transport):
             return
         self._addresses[name] = address
         flat = [x for values in start.values for x in values]
+        uuid, crc = _offer(flat, self._server)
         self._send_to(identity, {
             "type": "welcome", "syncer": self.id, "versions": list(start.versions), "seqs": list(start.seqs),
-            "uuid": _offer(flat, self._server),
+            "uuid": uuid, "crc": crc,
             "address": self.transfer_address,
             "shapes": [[list(x.shape) for x in values] for values in start.values],
             "dtypes": [[x.dtype.str for x in values] for values in start.values]})
@@ -701,7 +742,8 @@ class MultiProcessTransport(Transport):
                "accepted": reply.accepted, "reason": reply.reason, "uuid": None, "shard": reply.shard}
         arrays = reply.arrays()  # the whole values, or the compressed update (``"update": true``)
         if reply.values is not None or reply.update is not None:
-            msg.update(uuid=_offer(arrays, self._server), address=self.transfer_address,
+            uuid, crc = _offer(arrays, self._server)
+            msg.update(uuid=uuid, crc=crc, address=self.transfer_address,
                        shapes=[list(x.shape) for x in arrays], dtypes=[x.dtype.str for x in arrays],
                        update=reply.values is None)
         self._send_to(route, msg)
@@ -807,7 +849,7 @@ class MultiProcessTransport(Transport):
         flat_shapes = [s for frag in msg["shapes"] for s in frag]
         flat_dtypes = [d for frag in msg["dtypes"] for d in frag]
         flat = list(_pull(msg["address"], int(msg["uuid"]), flat_shapes, flat_dtypes, self._pull_timeout,
-                          "pull of the syncer's global values"))
+                          "pull of the syncer's global values", int(msg["crc"])))
         values = []
         for frag in msg["shapes"]:
             values.append(tuple(flat[:len(frag)]))
@@ -817,11 +859,11 @@ class MultiProcessTransport(Transport):
     def send(self, contribution: Contribution) -> None:
         self._need("learner")
         h = contribution.header
-        uuid = _offer(contribution.values, self._server)
+        uuid, crc = _offer(contribution.values, self._server)
         with self._offers_lock:
             self._offers[uuid] = (tuple(np.shape(v) for v in contribution.values),
                                   tuple(np.dtype(v.dtype).str for v in contribution.values), (h.fragment, h.shard))
-        self._say({"type": "header", "header": _header_dict(h), "uuid": uuid,
+        self._say({"type": "header", "header": _header_dict(h), "uuid": uuid, "crc": crc,
                    "address": self.transfer_address})
 
     def abandon(self, learner: str, fragment: int) -> None:
@@ -861,7 +903,7 @@ class MultiProcessTransport(Transport):
         values = None
         if msg.get("uuid") is not None:
             values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
-                           self._pull_timeout, "pull of a merged fragment")
+                           self._pull_timeout, "pull of a merged fragment", int(msg["crc"]))
         shard = int(msg.get("shard", 0))
         with self._offers_lock:  # this fragment's (shard's) offers were pulled, or released before this reply
             for uuid in [u for u, o in self._offers.items() if o[2] == (int(msg["fragment"]), shard)]:
