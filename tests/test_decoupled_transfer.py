@@ -73,7 +73,8 @@ def test_an_offer_is_one_buffer_and_a_pull_checks_its_crc():
 
 def test_a_contribution_whose_bytes_change_on_the_way_is_refused_and_nothing_merged(monkeypatch, caplog):
     """The learner's header carries the CRC-32 of what it offered; bytes that arrive otherwise (here: the CRC
-    in the frame off by one bit) are refused: the model stays as it was; the learner's next send merges."""
+    in the frame off by one bit) are refused: the model stays as it was. The learner is still pulled from: its
+    next send merges."""
     syncer = Syncer(init(), learners=["a"], min_quorum=1)
     server = MultiProcessTransport.for_syncer()
     server.attach(syncer)
@@ -83,29 +84,77 @@ def test_a_contribution_whose_bytes_change_on_the_way_is_refused_and_nothing_mer
         old = snapshot(syncer)
         monkeypatch.setattr(multiprocess, "_offer", flipped_crc(offer))
         a.send(message(syncer, "a", 0, 0, 1.0, seed=1))
-        drain(server, syncer, lambda: "arrived corrupted" in caplog.text)
-        assert "arrived corrupted" in caplog.text
+        drain(server, syncer, lambda: syncer.refused)
+        assert "arrived corrupted" in caplog.text and len(syncer.refused) == 1
         assert snapshot(syncer) == old and syncer.versions() == [0] and not syncer.merges
+        monkeypatch.setattr(multiprocess, "_offer", offer)
+        a.send(message(syncer, "a", 0, 0, 1.0, seed=2))
+        drain(server, syncer, lambda: syncer.merges)
+        assert syncer.versions() == [1] and len(syncer.refused) == 1
     finally:
         a.close()
         server.close()
 
 
-def test_a_reply_whose_bytes_change_on_the_way_is_dropped_loudly(monkeypatch, caplog):
-    """A merged fragment whose bytes arrive other than the syncer sent them never reaches the learner's
-    model: the reply is dropped with a warning that names the corruption."""
+def corrupting_offers(monkeypatch, times):
+    """The next ``times`` offers of this process announce a CRC-32 off by one bit (their bytes 'change on the
+    way'); the later ones are sound."""
+    offer, left = multiprocess._offer, [times]
+
+    def maybe_bad(arrays, server=None):
+        uuid, crc = offer(arrays, server)
+        if left[0] > 0:
+            left[0] -= 1
+            crc ^= 1
+        return uuid, crc
+
+    monkeypatch.setattr(multiprocess, "_offer", maybe_bad)
+    return left
+
+
+def merged_reply(monkeypatch, corrupt):
+    """Learner a's one contribution merged; the syncer's reply offered with ``corrupt`` bad CRCs first: the
+    syncer's values and what reached the learner (None if nothing did)."""
     syncer = Syncer(init(), learners=["a"], min_quorum=1)
     server = MultiProcessTransport.for_syncer()
     server.attach(syncer)
     a = join(server, "a")
-    offer = multiprocess._offer
     try:
         a.send(message(syncer, "a", 0, 0, 1.0, seed=1))
-        monkeypatch.setattr(multiprocess, "_offer", flipped_crc(offer))  # the syncer's reply: its frame's CRC
-        drain(server, syncer, lambda: "arrived corrupted" in caplog.text)
-        assert syncer.versions() == [1]  # merged at the syncer
-        assert "dropped a reply" in caplog.text and "arrived corrupted" in caplog.text
-        assert a.poll("a", timeout=0.5) is None  # nothing reaches the learner
+        left = corrupting_offers(monkeypatch, corrupt)  # from here on: the syncer's reply and its resends
+        got = []
+
+        def done():
+            reply = a.poll("a", timeout=0.0)
+            if reply is not None:
+                got.append(reply)
+            return bool(got) or (left[0] == 0 and a._resends.get((0, 1, 0), 0) >= multiprocess.RESENDS)
+
+        drain(server, syncer, done, timeout=20.0)
+        if not got:  # the last ask's reply (if any) may still be on its way
+            drain(server, syncer, lambda: bool(got.append(a.poll("a", timeout=0.2)) or got[-1] is not None),
+                  timeout=2.0)
+        return syncer, [r for r in got if r is not None]
     finally:
         a.close()
         server.close()
+
+
+def test_a_reply_whose_bytes_change_on_the_way_is_asked_for_again(monkeypatch, caplog):
+    """A merged fragment that arrives corrupted never reaches the learner's model: the learner asks the syncer for
+    it again (a resend frame) and receives the syncer's values exactly."""
+    syncer, got = merged_reply(monkeypatch, corrupt=1)
+    assert syncer.versions() == [1]
+    assert "asked the syncer to send it again" in caplog.text and "offered again" in caplog.text
+    assert len(got) == 1 and got[0].version == 1 and got[0].accepted
+    want = syncer.state()["global"][0]  # fragment 0's global leaves after the merge
+    assert [np.asarray(x).tobytes() for x in got[0].values] == [np.asarray(x).tobytes() for x in want]
+
+
+def test_a_reply_corrupted_every_time_is_dropped_loudly_after_three_asks(monkeypatch, caplog):
+    """Bytes that keep arriving changed: after RESENDS asks the reply is dropped with a warning that names the
+    corruption, and nothing reaches the learner."""
+    syncer, got = merged_reply(monkeypatch, corrupt=1 + multiprocess.RESENDS)
+    assert syncer.versions() == [1] and got == []
+    assert caplog.text.count("asked the syncer to send it again") == multiprocess.RESENDS
+    assert "dropped a reply" in caplog.text and "arrived corrupted" in caplog.text

@@ -32,7 +32,7 @@ With ``min_quorum`` = all learners, no grace limit and learners that wait for ea
 
 from compjax.decoupled.learner import Learner, LearnerStats, default_worker_index
 from compjax.decoupled.messages import Contribution, Header, Reply, Start, message_bytes
-from compjax.decoupled.multiprocess import MultiProcessTransport
+from compjax.decoupled.multiprocess import MultiProcessTransport, TransferError
 from compjax.decoupled.outer import DelayedNesterovState, delayed_nesterov
 from compjax.decoupled.sharded import ShardedLearner, ShardedSyncer, ShardLayout
 from compjax.decoupled.syncer import Syncer
@@ -40,4 +40,4 @@ from compjax.decoupled.transport import Incoming, InProcessTransport, Transport
 
 __all__ = ["Contribution", "DelayedNesterovState", "Header", "InProcessTransport", "Incoming", "Learner", "LearnerStats",
            "MultiProcessTransport", "Reply", "ShardLayout", "ShardedLearner", "ShardedSyncer",
-           "Start", "Syncer", "Transport", "default_worker_index", "delayed_nesterov", "message_bytes"]
+           "Start", "Syncer", "TransferError", "Transport", "default_worker_index", "delayed_nesterov", "message_bytes"]

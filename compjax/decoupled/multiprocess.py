@@ -17,6 +17,8 @@ name.  Control messages are small JSON frames:
 * ``reply`` (syncer -> learner): a :class:`~compjax.decoupled.Reply` without its arrays, plus the
   transfer id under which the syncer offers them (``"update": true`` when they are the compressed
   update rather than the whole values).
+* ``resend`` (learner -> syncer): the arrays of its last reply for a fragment arrived corrupted (their CRC-32
+  differs from the frame's); the syncer offers them again under a new transfer id, in a new ``reply``.
 * ``goodbye`` (learner -> syncer, on :meth:`MultiProcessTransport.close`): a clean leave
   (:meth:`Syncer.leave <compjax.decoupled.Syncer.leave>`).
 
@@ -33,8 +35,10 @@ field; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver 
 ``connect(address).pull(uuid, specs)``.  The arrays of one offer travel as one buffer (their bytes one
 after the other) whose CRC-32 rides in the frame: jaxlib 0.10.2's transfer, when several arrays are
 pulled at once on a loaded machine, has delivered the first bytes of one array into another of the
-same pull (seen between CPU processes); one buffer per pull leaves nothing to mix up, and a buffer
-that arrives other than it left is refused with :class:`TransferError`, never used.  A pull from a process that died fails at once; a receive
+same pull (seen between CPU processes), and under load a buffer has still arrived changed now and then.
+A buffer that arrives other than it left raises :class:`TransferError` and is never used: a contribution is
+refused (its learner is still pulled from), and a learner asks for a reply again with a ``resend`` frame
+(at most :data:`RESENDS` times), which the syncer answers by offering that reply's arrays once more.  A pull from a process that died fails at once; a receive
 (the pull and the arrival of its arrays) that takes longer than ``pull_timeout_s`` is abandoned:
 the contribution is refused, and the syncer pulls nothing more from that learner until it says
 ``hello`` again (a learner killed in the middle of a transfer never completes it).  A learner
@@ -262,6 +266,10 @@ def _bounded(fn, timeout: float, what: str):
     return box["value"]
 
 
+#: How many times a learner asks the syncer to offer a reply's arrays again when they arrive corrupted.
+RESENDS = 3
+
+
 class TransferError(ConnectionError):
     """The arrays of a transfer arrived other than they were sent (their CRC-32 differs): they are not used."""
 
@@ -472,6 +480,9 @@ class MultiProcessTransport(Transport):
             self._record: _Record | None = None
             self._unreachable: set[str] = set()  # learners whose last receive failed, until their next hello
             self._addresses: dict[str, str] = {}  # learner -> the transfer address of its last hello
+            # (learner, fragment, shard) -> the frame and arrays of its last reply: offered again if they arrive
+            # corrupted (a "resend" frame)
+            self._last_reply: dict[tuple[str, int, int], tuple[dict, tuple]] = {}
         else:
             self.address = address
             self._out: queue.Queue = queue.Queue()
@@ -482,6 +493,7 @@ class MultiProcessTransport(Transport):
             self._joined = False
             self._hello_at = 0.0
             self._offers: dict[int, tuple] = {}  # transfer id -> (shapes, dtypes, fragment) of an unanswered send
+            self._resends: dict[tuple[int, int, int], int] = {}  # (fragment, version, shard) -> resends asked
             self.released = 0
             self._offers_lock = threading.Lock()
             self._io = threading.Thread(target=self._learner_loop, daemon=True, name=f"compjax-zmq-{name}")
@@ -659,6 +671,8 @@ class MultiProcessTransport(Transport):
             if self._syncer is not None and registered:
                 for reply in self._syncer.leave(name):  # the rounds its leave completed
                     self.reply(reply)
+        elif kind == "resend" and registered:
+            self._resend(identity, name, msg)
         elif kind == "header" and not registered:
             logger.warning("transport: dropped a header from learner %r on a connection it did not say hello on",
                            name)
@@ -693,6 +707,10 @@ class MultiProcessTransport(Transport):
                 try:
                     return _pull(address, uuid, h.shapes, h.dtypes, self._pull_timeout,
                                  f"pull from learner {name!r}", crc)
+                except TransferError:  # the transfer ended, its bytes changed: this contribution is refused only
+                    logger.warning("transport: the arrays of learner %r's contribution arrived corrupted: refused",
+                                   name)
+                    raise
                 except Exception:
                     self._unreachable.add(name)
                     logger.warning("transport: the transfer from learner %r failed: nothing is pulled from it "
@@ -729,6 +747,24 @@ class MultiProcessTransport(Transport):
             "shapes": [[list(x.shape) for x in values] for values in start.values],
             "dtypes": [[x.dtype.str for x in values] for values in start.values]})
 
+    def _resend(self, identity: bytes, name: str, msg: dict) -> None:
+        """Offer again the arrays of the last reply to ``name`` for the fragment (and shard) of ``msg``, if it is
+        the version asked for: the learner received them corrupted (:class:`TransferError`)."""
+        try:
+            key, version = (name, int(msg["fragment"]), int(msg.get("shard", 0))), int(msg["version"])
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("transport: dropped a malformed resend frame from %r: %s", name, e)
+            return
+        last = self._last_reply.get(key)
+        if last is None or int(last[0]["version"]) != version:
+            logger.warning("transport: learner %r asked for fragment %d version %d again, which is not its last "
+                           "reply: nothing sent", name, key[1], version)
+            return
+        uuid, crc = _offer(last[1], self._server)
+        logger.warning("transport: learner %r received fragment %d version %d corrupted: offered again", name,
+                       key[1], version)
+        self._send_to(identity, {**last[0], "uuid": uuid, "crc": crc})
+
     def reply(self, reply: Reply) -> None:
         self._need("syncer")
         r = self._record
@@ -743,6 +779,7 @@ class MultiProcessTransport(Transport):
         arrays = reply.arrays()  # the whole values, or the compressed update (``"update": true``)
         if reply.values is not None or reply.update is not None:
             uuid, crc = _offer(arrays, self._server)
+            self._last_reply[(reply.learner, int(reply.fragment), int(reply.shard))] = (msg, arrays)
             msg.update(uuid=uuid, crc=crc, address=self.transfer_address,
                        shapes=[list(x.shape) for x in arrays], dtypes=[x.dtype.str for x in arrays],
                        update=reply.values is None)
@@ -889,9 +926,24 @@ class MultiProcessTransport(Transport):
             try:
                 for reply in self._replies_of(msg):
                     self._ready.put(reply)
+            except TransferError as e:
+                if msg.get("type") == "reply" and self._ask_again(msg):
+                    logger.warning("learner %r: %s; asked the syncer to send it again", self.name, e)
+                else:
+                    logger.warning("learner %r: dropped a reply that could not be received: %s: %s",
+                                   self.name, type(e).__name__, e)
             except Exception as e:  # noqa: BLE001 - a reply that cannot be received is dropped
                 logger.warning("learner %r: dropped a reply that could not be received: %s: %s",
                                self.name, type(e).__name__, e)
+
+    def _ask_again(self, msg: dict) -> bool:
+        """Ask the syncer to offer the arrays of reply ``msg`` again (at most :data:`RESENDS` times a reply)."""
+        key = (int(msg["fragment"]), int(msg["version"]), int(msg.get("shard", 0)))
+        if self._resends.get(key, 0) >= RESENDS:
+            return False
+        self._resends[key] = self._resends.get(key, 0) + 1
+        self._say({"type": "resend", "fragment": key[0], "version": key[1], "shard": key[2]})
+        return True
 
     def _replies_of(self, msg: dict) -> list[Reply]:
         if msg["type"] == "welcome":  # a restarted syncer: resume from its state, fragment by fragment
