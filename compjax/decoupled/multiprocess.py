@@ -36,10 +36,12 @@ field; the sender offers arrays with ``await_pull(uuid, arrays)``, the receiver 
 after the other) whose CRC-32 rides in the frame: jaxlib 0.10.2's transfer, when several arrays are
 pulled at once on a loaded machine, has delivered the first bytes of one array into another of the
 same pull (seen between CPU processes), and under load a buffer has still arrived changed now and then.
-A buffer that arrives other than it left raises :class:`TransferError` and is never used: a contribution is
-refused (its learner is still pulled from), and a learner asks for a reply again with a ``resend`` frame
-(at most :data:`RESENDS` times), which the syncer answers by offering that reply's arrays once more.  A pull from a process that died fails at once; a receive
-(the pull and the arrival of its arrays) that takes longer than ``pull_timeout_s`` is abandoned:
+A buffer that arrives other than it left raises :class:`TransferError` and is never used: a
+contribution is refused (its learner is still pulled from), and a learner asks for a reply again with
+a ``resend`` frame (at most :data:`RESENDS` times), which the syncer answers by offering that reply's
+arrays once more (it keeps each learner's last reply per fragment for that).  A pull from a process
+that died fails at once; a receive (the pull and the arrival of its arrays) that takes longer than
+``pull_timeout_s`` is abandoned:
 the contribution is refused, and the syncer pulls nothing more from that learner until it says
 ``hello`` again (a learner killed in the middle of a transfer never completes it).  A learner
 receives the merged fragments on a background thread, so their transfers overlap its inner steps.
