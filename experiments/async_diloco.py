@@ -406,15 +406,23 @@ def run_learner(args) -> dict:
     if args.ready_file:
         Path(args.ready_file).write_text("ready")
     wait_for(args.go_file)
-    losses, sleep_s = [], 0.0
+    losses, sleep_s, pad_s, overruns = [], 0.0, 0.0, 0
+    pace = args.step_time_s * (1.0 + args.slowdown)  # each inner step's wall time when paced (0: not paced)
     t0 = time.perf_counter()
     wall0 = time.time()
     for s in range(args.steps):
         if args.stop_file and Path(args.stop_file).exists():
             break
-        ts = time.perf_counter()
+        ts, computed = time.perf_counter(), learner.stats.step_seconds
         losses.append(float(learner.step(batch(s + 1), tokens=tokens_per_step)))
-        if args.slowdown > 0:  # a straggler: idle for (slowdown x) the step it just took
+        if pace > 0:  # a learner of a fixed speed: the step padded to `pace` seconds (waits for merges not counted)
+            pause = pace - (learner.stats.step_seconds - computed)
+            if pause > 0:
+                time.sleep(pause)
+                pad_s += pause
+            else:
+                overruns += 1
+        elif args.slowdown > 0:  # a straggler: idle for (slowdown x) the step it just took
             pause = args.slowdown * (time.perf_counter() - ts)
             time.sleep(pause)
             sleep_s += pause
@@ -428,8 +436,10 @@ def run_learner(args) -> dict:
     result = {"role": "learner", "name": name, "index": args.index, "steps": learner.count,
               "tokens": learner.count * tokens_per_step, "wall_s": wall, "loop_s": t_loop, "started": wall0,
               "step_s": st.step_seconds, "wait_s": st.wait_seconds, "sleep_s": sleep_s,
-              "goodput": st.step_seconds / t_loop if t_loop > 0 else float("nan"),
-              "goodput_with_drain": st.step_seconds / wall if wall > 0 else float("nan"), "drain_s": wall - t_loop,
+              "pace_s": pace, "pad_s": pad_s, "overruns": overruns,
+              "goodput": (st.step_seconds + pad_s) / t_loop if t_loop > 0 else float("nan"),
+              "goodput_with_drain": (st.step_seconds + pad_s) / wall if wall > 0 else float("nan"),
+              "drain_s": wall - t_loop,
               "tokens_per_s": learner.count * tokens_per_step / t_loop if t_loop > 0 else float("nan"),
               "bytes_sent": list(st.bytes_sent), "sends": list(st.sends), "delays": [list(d) for d in st.delays],
               "refusals": [list(r) for r in st.refusals], "resent": list(st.resent),
@@ -470,7 +480,7 @@ def role_args(args, role: str, **extra) -> list[str]:
          "--eval-batches", str(args.eval_batches), "--snapshot-every", str(args.snapshot_every),
          "--log-every", str(args.log_every), "--pull-timeout-s", str(args.pull_timeout_s),
          "--reply-compressor", args.reply_compressor, "--partial-rounds", args.partial_rounds,
-         "--outer", args.outer]
+         "--outer", args.outer, "--step-time-s", str(args.step_time_s)]
     if args.min_quorum is not None:
         a += ["--min-quorum", str(args.min_quorum)]
     if args.quorum_fraction is not None:
@@ -655,8 +665,13 @@ def parser() -> argparse.ArgumentParser:
                     help="(syncer) the longest wait for one contribution's arrays (a longer one is refused)")
     ap.add_argument("--reply-timeout-s", type=float, default=300.0, help="(learner) the longest wait for one reply")
     ap.add_argument("--join-timeout-s", type=float, default=300.0, help="(learner) the longest wait for the welcome")
+    ap.add_argument("--step-time-s", type=float, default=0.0,
+                    help="(learner) pace: pad every inner step to this many seconds of wall time, (1 + --slowdown) "
+                         "times that for a straggler (a learner of a fixed speed, as on a machine of its own; steps "
+                         "whose compute takes longer are counted as overruns; 0: not paced)")
     ap.add_argument("--slowdown", type=float, default=0.0,
-                    help="(learner) idle this many times each step's duration after it (1: a 2x straggler)")
+                    help="(learner) a straggler: idle this many times each step's duration after it (1: 2x slower); "
+                         "with --step-time-s, its steps are paced to (1 + slowdown) x that")
     for f in ("ready-file", "go-file", "join-file", "stop-file"):
         ap.add_argument(f"--{f}", default=None, help=argparse.SUPPRESS)
     return ap
@@ -667,6 +682,8 @@ def main(argv=None) -> int:
     if args.learners < 1 or args.steps < 1 or args.sync_every < 1 or args.fragments < 1:
         raise ValueError("--learners, --steps, --sync-every and --fragments must be >= 1, got "
                          f"{args.learners}, {args.steps}, {args.sync_every}, {args.fragments}")
+    if not (args.step_time_s >= 0 and args.slowdown >= 0):
+        raise ValueError(f"--step-time-s and --slowdown must be >= 0, got {args.step_time_s} and {args.slowdown}")
     if args.min_quorum is not None and not 1 <= args.min_quorum <= args.learners:
         raise ValueError(f"--min-quorum must be in [1, --learners = {args.learners}], got {args.min_quorum}")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")

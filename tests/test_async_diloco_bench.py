@@ -105,6 +105,10 @@ def test_quick_benchmark(tmp_path):
             assert per_learner == [scheduled] * 2
         else:  # late_reply="defer": a fragment due while its merge is out goes later, once (never more sends)
             assert all(s["fragments"] <= n <= scheduled for n in per_learner), per_learner
+        for x in raw["learners"]:  # paced: every step's compute padded to the pace, or over it
+            assert x["pace_s"] == s["step_time_s"] > 0
+            assert x["step_s"] + x["pad_s"] >= x["steps"] * x["pace_s"] * (1 - 1e-6), x
+            assert x["goodput"] == pytest.approx((x["step_s"] + x["pad_s"]) / x["loop_s"])
     lock, asyn = rows["lock-step unshaped"], rows["async unshaped"]
     assert asyn["counted_bytes"] <= lock["counted_bytes"]  # the same messages, no more of them
     assert lock["versions"] == [s["steps"] // s["sync_every"]] * s["fragments"]  # full quorum: one merge per send round
@@ -169,6 +173,8 @@ def test_launcher_writes_under_ignored_runs():
         launcher.main(["--learners", "2", "--min-quorum", "3"])
     with pytest.raises(ValueError, match="--steps"):
         launcher.main(["--steps", "0"])
+    with pytest.raises(ValueError, match="--step-time-s"):
+        launcher.main(["--step-time-s", "-0.01"])
 
 
 def test_a_rows_folder_starts_empty_so_an_earlier_runs_join_file_cannot_start_its_joiner(tmp_path):
@@ -200,6 +206,23 @@ def test_system_columns_from_a_row():
     md = bench.to_markdown(bench.build_report([row], ["--x"], 1.0, {"loadavg_start": [0.0], "loadavg_end": [0.0]},
                                               bench.FULL))
     assert "| async 10 Mbit/s | 10,240 | 30.0 | 43% (replayed 1, stale 2) | 1: 2, 2: 1 | 1.0 / 1.0 |" in md
+    assert r["overrun_share"] == 0 and r["paced_ms_mean"] == r["step_ms_mean"]  # not paced
+
+
+def test_paced_rows_report_the_padded_step_and_the_steps_over_the_pace():
+    """A paced learner's step is its compute padded to the pace: the row gives both, and the share of steps whose
+    compute alone took longer (learner0: 100 steps, 2 s of compute, 4 s of padding, 5 steps over the pace)."""
+    learners = [{**_learner(f"learner{i}", 0.9, 1000.0, steps=100), "started": 1.0, "loop_s": 10.0, "step_s": 2.0,
+                 "wall_s": 11.0, "wait_s": 1.0, "pace_s": 0.06, "pad_s": pad, "overruns": over}
+                for i, (pad, over) in enumerate([(4.0, 5), (3.0, 15)])]
+    r = bench.summarize(_row("async 10 Mbit/s", "async", None, 1000.0, 2.0, learners=learners))
+    assert r["step_ms_mean"] == pytest.approx(20.0)
+    assert r["paced_ms_mean"] == pytest.approx(1000 * (0.06 + 0.05) / 2)
+    assert r["overrun_share"] == pytest.approx(20 / 200)
+    md = bench.to_markdown(bench.build_report([_row("async 10 Mbit/s", "async", None, 1000.0, 2.0,
+                                                    learners=learners)], ["--x"], 1.0,
+                                              {"loadavg_start": [0.0], "loadavg_end": [0.0]}, bench.FULL))
+    assert "| 20.0 / 55.0 (10.0%) |" in md
 
 
 def _timed(loop):

@@ -13,9 +13,13 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
 * **lock-step**: lock-step Streaming DiLoCo with the same processes and code: ``min_quorum`` = every
   learner, no grace limit, and each learner waits for its merged fragment before its next inner step
   (these settings compute :func:`compjax.diloco`'s global parameters; ``tests/test_decoupled_equivalence.py``);
-* **async**: the asynchronous system: sends overlap the next inner steps, a quorum of 3 of every 4 live
-  learners (``quorum_fraction`` 0.75: it follows losses, leaves and joins), an 8 s grace window (about one
-  period of a fragment's sends here; a round merges with fewer only when no quorum came within it),
+* **async**: the asynchronous system: sends overlap the next inner steps, a quorum of every live learner
+  (``quorum_fraction`` 1.0: it follows losses, leaves and joins) within an 8 s grace window (two thirds of
+  the period of a fragment's sends here: a round merges with fewer only when not every live learner's
+  contribution came within it, so a straggler or a dead learner holds no merge longer than that; with
+  paced learners, which reach a fragment's send together, a quorum of 3 of 4 (``quorum_fraction`` 0.75)
+  merged the first three and left the fourth's contribution alone in a round of its own every time: 24 of
+  48 merges had one contributor and the loss ended 30% above lock-step's),
   ``max_staleness`` 4 with ``staleness_decay`` 0.5 (a contribution that missed its round is merged in a
   later one, its outer gradient scaled by ``e^{-0.5 tau}``, CGAD), ``partial_rounds="share"`` (a round of
   3 of 4 learners moves the model by 3/4 of a full round's step: with a full step per partial round the
@@ -31,16 +35,25 @@ with ``H = 200``, outer gradients compressed with 4-bit E3M0 (error feedback on 
   20 of 24, and its global loss was 8% above lock-step's);
 * both at 10 and 100 Mbit/s, and lock-step on the unshaped loopback (its wait is then stragglers and merges,
   not the link: with the shaped rows it splits lock-step's loss into link wait and straggler wait);
-* **straggler** (async, 10 Mbit/s): one learner idles after each step for as long as the step took (2x
-  slower); it stops when the others are done;
+* **straggler** (async, 10 Mbit/s): one learner 2x slower (its steps paced to twice the others' wall
+  time); it stops when the others are done;
 * **lock-step straggler** (10 Mbit/s): the same 2x slower learner in lock-step, taking the same steps as
   the others (every merge waits for it): the system throughput to compare the straggler row with;
-* **fault** (async, 10 Mbit/s): one learner killed with SIGKILL at 1/3 of its steps, a new one (started,
-  compiled and waiting from the beginning) joins when the others reached 2/3 and takes the last 1/3; and
-  the syncer stopped with SIGTERM (its checkpoint) when the others reached 1/2 and restarted through the
-  launcher's own ``--resume`` as soon as its checkpoint is on disk (the stopped process then evaluates its
-  validation curve for this benchmark meanwhile; its record joins the successor's: merges, refusals, carried
-  bytes).
+* **fault** (async, 10 Mbit/s): one learner killed with SIGKILL at 1/3 of its steps and restarted at once
+  as a new process (a new name: it compiles, joins from the global model and trains until the others are
+  done; what the kill loses is its work in flight and the restart's compile and join); and the syncer
+  stopped with SIGTERM (its checkpoint) when the others reached 1/2 and restarted through the launcher's own
+  ``--resume`` as soon as its checkpoint is on disk (the stopped process then evaluates its validation curve
+  for this benchmark meanwhile; its record joins the successor's: merges, refusals, carried bytes).
+
+**Paced learners.**  The rows share one machine's cores, so a learner's inner step is slower when more of
+them compute at once: in an unpaced trial the lock-step straggler row's steps took 27.7 ms (the others
+idle while they wait for the straggler) against 35.6 ms in the asynchronous straggler row, which by
+itself took a quarter off the asynchronous gain.  Every learner is therefore paced (``step_time_s``,
+``--step-time-s`` of :mod:`experiments.async_diloco`): each inner step is padded to 60 ms of wall time
+(120 ms for the 2x straggler), longer than its compute on this machine (the tables give the mean compute
+and the share of steps whose compute alone took longer than the pace), so every learner runs at a fixed
+speed, as on a machine of its own, and the rows differ only in what they wait for.
 
 **The link.**  Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN): the rows run inside a fresh network
 namespace (``unshare -n``) whose loopback has a 1500-byte MTU and a token bucket of the row's rate
@@ -49,8 +62,8 @@ replies included, cross that one bucket.  Where that is not permitted the script
 and exits 0.  ``--quick`` runs 2 learners on the loopback as it is (no namespace, no kernel bytes).
 
 **Measured**, per learner: *goodput*, the fraction of its wall time from its first inner step to the end
-of its last spent inside inner steps (``stats.step_seconds``; a straggler's idling is not a step; a lock-step
-learner's last step includes the wait for its last merge), and beside it the *drain*, the wait in
+of its last spent inside inner steps (``stats.step_seconds`` and the pacing's padding: a paced step's wall
+time; waits for merges and replies are not steps), and beside it the *drain*, the wait in
 :meth:`~compjax.decoupled.Learner.finish` for the replies still in flight after the last step (the end of
 a finite run: a learner that goes on training never drains), with the goodput counting it too; tokens/s over
 the same wall time; the bytes counted for its contributions
@@ -109,12 +122,13 @@ RATES = {"10 Mbit/s": 10e6, "100 Mbit/s": 100e6, "unshaped": None}
 
 #: The run's settings (``--quick`` changes some): passed to every process of :mod:`experiments.async_diloco`.
 FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compressor": "e3m0", "batch": 16,
-        "seq_len": 64, "grace_s": 8.0, "quorum_fraction": 0.75, "max_staleness": 4, "staleness_decay": 0.5, "partial_rounds": "share",
+        "seq_len": 64, "grace_s": 8.0, "quorum_fraction": 1.0, "max_staleness": 4, "staleness_decay": 0.5, "partial_rounds": "share",
         "outer": "nesterov", "alpha": 0.5,
         "late_reply": "wait", "reply_compressor": "bfloat16",
-        "heartbeat_timeout_s": 5.0,
+        "heartbeat_timeout_s": 5.0, "step_time_s": 0.06,
         "log_every": 25, "eval_batches": 16}
-QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4}
+QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4,
+         "step_time_s": 0.03}
 
 #: Rows: name -> (rate, mode).  Modes: lockstep, lockstep-straggler, async, straggler, fault.
 ROWS = {
@@ -202,11 +216,8 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
         elif mode == "lockstep-straggler" and i == STRAGGLER:  # the same steps: every merge waits for it
             extra += ["--slowdown", "1"]
         start("learner", learner_name(i), extra)
-    joiner = learner_name(n)
+    joiner = learner_name(n)  # the killed learner's replacement (a new process, started when it is killed)
     joiner_runs = mode == "fault" and "learner" in args.fault_parts
-    if joiner_runs:
-        start("learner", joiner, ["--index", str(n), "--join-file", str(out / "join"), "--steps",
-                                  str(steps - (2 * steps) // 3)])
     events: dict = {}
     try:
         deadline = time.monotonic() + args.row_timeout_s
@@ -224,21 +235,29 @@ def run_row(name: str, rate: str, mode: str, settings: dict, args, work: Path) -
         others = [k for i, k in enumerate(learners) if not (mode == "straggler" and i == STRAGGLER)]
         if mode == "fault":
             others = [k for i, k in enumerate(learners) if i != VICTIM]
-        while any(procs[k].poll() is None for k in [*learners, *([joiner] if joiner_runs else [])]):
+        while any(procs[k].poll() is None for k in [*learners, *([joiner] if joiner in procs else [])]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: longer than {args.row_timeout_s} s")
             if mode == "fault":
                 victim = learners[VICTIM]
-                if "learner" in args.fault_parts and "killed" not in events and _progress(logs[victim]) >= steps // 3:
+                if joiner_runs and "killed" not in events and _progress(logs[victim]) >= steps // 3:
                     procs[victim].send_signal(signal.SIGKILL)
                     events["killed"] = {"learner": victim, "t": time.time() - t_go, "step": _progress(logs[victim])}
-                if (joiner_runs and "joined" not in events
-                        and min(_progress(logs[k]) for k in others) >= (2 * steps) // 3):
-                    (out / "join").write_text("join")
-                    events["joined"] = {"learner": joiner, "t": time.time() - t_go,
-                                        "others_step": min(_progress(logs[k]) for k in others)}
-                if joiner_runs and "killed" in events and "joined" not in events and procs[joiner].poll() is not None:
-                    raise RuntimeError(f"{name}: the joiner exited before it joined")
+                    # Its restart: a new process (it compiles, then joins from the global model at once) that
+                    # trains until the others are done.
+                    start("learner", joiner, ["--index", str(n), "--steps", str(steps), "--stop-file",
+                                              str(out / "stop")])
+                    events["restarted"] = {"learner": joiner, "t": time.time() - t_go}
+                if joiner in procs and "joined" not in events:
+                    if re.search(rf"^learner {joiner} joined", logs[joiner].read_text(), re.MULTILINE):
+                        events["joined"] = {"learner": joiner, "t": time.time() - t_go,
+                                            "others_step": min(_progress(logs[k]) for k in others)}
+                    elif procs[joiner].poll() is not None:
+                        raise RuntimeError(f"{name}: the restarted learner exited before it joined")
+                if (joiner in procs and "stopped" not in events
+                        and all(procs[k].poll() is not None for k in others)):
+                    (out / "stop").write_text("stop")
+                    events["stopped"] = {"learner": joiner, "t": time.time() - t_go, "step": _progress(logs[joiner])}
                 if ("syncer" in args.fault_parts and "syncer_stopped" not in events
                         and min(_progress(logs[k]) for k in others) >= steps // 2):
                     # The syncer killed (SIGTERM: its checkpoint) and restarted through the launcher's --resume.
@@ -355,6 +374,11 @@ def system_columns(row: dict, tokens: int, live: list[dict]) -> dict:
         "system_tokens_per_s": tokens / span if span and span > 0 else float("nan"),
         "system_span_s": span,
         "step_ms_mean": 1000 * statistics.fmean(r["step_s"] / r["steps"] for r in stepped) if stepped else float("nan"),
+        # Paced rows: each step's wall time with its padding (the learners' fixed speed), and the share of steps
+        # whose compute alone took longer than the pace (0 where it held).
+        "paced_ms_mean": 1000 * statistics.fmean((r["step_s"] + r.get("pad_s", 0.0)) / r["steps"] for r in stepped)
+        if stepped else float("nan"),
+        "overrun_share": sum(r.get("overruns", 0) for r in stepped) / max(1, sum(r["steps"] for r in stepped)),
         "refused_share": len(refused) / received if received else 0.0,
         "refused_why": dict(sorted(why.items())),
         "merges_by_contributors": {str(n): c for n, c in sorted(collections.Counter(len(k) for _, _, k in merges).items())},
@@ -480,15 +504,18 @@ def to_markdown(report: dict) -> str:
              "| target | measured | met |", "|---|---|---|"]
     for t in report["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
-    lines += ["", ("| row | system tokens/s (all tokens / time to the last learner's last step) | inner step ms | "
-                   "refused (share, why) | merges by contributors | wait s: link / straggler |"),
+    lines += ["", ("| row | system tokens/s (all tokens / time to the last learner's last step) | inner step ms: "
+                   "compute / paced (steps over the pace) | refused (share, why) | merges by contributors | "
+                   "wait s: link / straggler |"),
               "|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "system_tokens_per_s" not in r:
             continue
         why = ", ".join(f"{k} {v}" for k, v in r["refused_why"].items()) or "-"
         by = ", ".join(f"{k}: {v}" for k, v in r["merges_by_contributors"].items()) or "-"
-        lines.append(f"| {r['name']} | {r['system_tokens_per_s']:,.0f} | {r['step_ms_mean']:.1f} | "
+        paced = (f" / {r['paced_ms_mean']:.1f} ({r['overrun_share']:.1%})" if "paced_ms_mean" in r
+                 and r["paced_ms_mean"] > r["step_ms_mean"] else "")
+        lines.append(f"| {r['name']} | {r['system_tokens_per_s']:,.0f} | {r['step_ms_mean']:.1f}{paced} | "
                      f"{r['refused_share']:.0%} ({why}) | {by} | {r['link_wait_s']:.1f} / {r['straggler_wait_s']:.1f} |")
     lines += ["", ("| row | goodput (min / mean) | with drain (min) | drain s | tokens/s per learner | tokens | global val loss | merges | "
               "refused | lost while running | counted MB | replies | replies MB (counted as updates) | carried MB | kernel MB | "
@@ -519,9 +546,16 @@ def to_markdown(report: dict) -> str:
         if "killed" in ev:
             lines.append(f"- {r['name']}: {ev['killed']['learner']} killed (SIGKILL) after its step "
                          f"{ev['killed']['step']}, {ev['killed']['t']:.0f} s in"
-                         + (f"; {ev['joined']['learner']} joined {ev['joined']['t']:.0f} s in, when the others had "
-                            f"taken {ev['joined']['others_step']} steps" if "joined" in ev else ""))
-        if "stopped" in ev:
+                         + (f"; its replacement {ev['joined']['learner']} (started then) compiled and joined "
+                            f"{ev['joined']['t']:.0f} s in, when the others had taken {ev['joined']['others_step']} "
+                            "steps" if "joined" in ev else "")
+                         + (f", and stopped after its step {ev['stopped']['step']} when the others were done"
+                            if "stopped" in ev else ""))
+        if "syncer_stopped" in ev:
+            lines.append(f"- {r['name']}: the syncer stopped (SIGTERM) {ev['syncer_stopped']['t']:.0f} s in, when the "
+                         f"others had taken {ev['syncer_stopped']['others_step']} steps, and restarted with --resume "
+                         f"{ev['syncer_restarted']['t']:.0f} s in")
+        if "stopped" in ev and r["mode"] == "straggler":
             lines.append(f"- {r['name']}: the straggler {ev['stopped']['learner']} stopped after its step "
                          f"{ev['stopped']['step']}, when the others were done ({ev['stopped']['t']:.0f} s in)")
     return "\n".join(lines) + "\n"
