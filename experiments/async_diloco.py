@@ -501,9 +501,12 @@ def role_args(args, role: str, **extra) -> list[str]:
 
 
 def child_env() -> dict:
-    """The environment of a role's process: one CPU device (no inherited device count), the repository importable."""
+    """The environment of a role's process: one CPU device (``XLA_FLAGS`` without an inherited device count, its
+    other flags kept), the repository importable."""
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -21,9 +22,12 @@ from tests.tiny_shakespeare import EXCERPT
 
 
 def _child_env() -> dict:
-    """The launcher's environment of a role's process (one CPU device, the repository importable) with the tests'
-    XLA:CPU flags: a role started here compiles in half the time (the checks are counts, bytes and versions)."""
-    return {**launcher.child_env(), "XLA_FLAGS": xla_flags()}
+    """The launcher's environment of a role's process (one CPU device, the repository importable), which keeps the
+    tests' XLA:CPU flags: a role started here compiles in half the time (the checks are counts, bytes and
+    versions)."""
+    env = launcher.child_env()
+    assert env["XLA_FLAGS"] == xla_flags()  # the test process's flags less its device count
+    return env
 
 
 def _learner(name, goodput, tps, steps=100, killed=False):
@@ -163,6 +167,15 @@ def test_launcher(tmp_path):
     assert proc.wait(timeout=300) == 0, "".join(seen[-40:])
     assert any("syncer resumed from" in x and "versions [2]" in x for x in seen), "".join(seen[-40:])
     assert json.loads((tmp_path / "resumed" / "syncer.json").read_text())["versions"] == [2]
+
+
+def test_a_role_gets_one_device_and_keeps_the_other_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    env = launcher.child_env()
+    assert env["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(launcher.REPO)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in launcher.child_env()
 
 
 def test_launcher_writes_under_ignored_runs():
