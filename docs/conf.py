@@ -201,4 +201,7 @@ html_theme_options = {
     "use_repository_button": True,
     "show_toc_level": 2,
     "navigation_with_keys": False,
+    # The sidebar opens only the current page's branch: expanded everywhere, every page carried every one of the
+    # 200-odd API pages' links, and the build took 71 s instead of 27 s on a 2-core machine.
+    "collapse_navbar": True,
 }
