@@ -112,9 +112,10 @@ def corrupting_offers(monkeypatch, times):
     return left
 
 
-def merged_reply(monkeypatch, corrupt):
+def merged_reply(monkeypatch, caplog, corrupt):
     """Learner a's one contribution merged; the syncer's reply offered with ``corrupt`` bad CRCs first: the
-    syncer's values and what reached the learner (None if nothing did)."""
+    syncer, what reached the learner, and the resend counts the learner still keeps (none once the reply
+    arrived or was given up)."""
     syncer = Syncer(init(), learners=["a"], min_quorum=1)
     server = MultiProcessTransport.for_syncer()
     server.attach(syncer)
@@ -128,13 +129,13 @@ def merged_reply(monkeypatch, corrupt):
             reply = a.poll("a", timeout=0.0)
             if reply is not None:
                 got.append(reply)
-            return bool(got) or (left[0] == 0 and a._resends.get((0, 1, 0), 0) >= multiprocess.RESENDS)
+            return bool(got) or (left[0] == 0 and "dropped a reply" in caplog.text)
 
         drain(server, syncer, done, timeout=20.0)
         if not got:  # the last ask's reply (if any) may still be on its way
             drain(server, syncer, lambda: bool(got.append(a.poll("a", timeout=0.2)) or got[-1] is not None),
                   timeout=2.0)
-        return syncer, [r for r in got if r is not None]
+        return syncer, [r for r in got if r is not None], dict(a._resends)
     finally:
         a.close()
         server.close()
@@ -143,8 +144,8 @@ def merged_reply(monkeypatch, corrupt):
 def test_a_reply_whose_bytes_change_on_the_way_is_asked_for_again(monkeypatch, caplog):
     """A merged fragment that arrives corrupted never reaches the learner's model: the learner asks the syncer for
     it again (a resend frame) and receives the syncer's values exactly."""
-    syncer, got = merged_reply(monkeypatch, corrupt=1)
-    assert syncer.versions() == [1]
+    syncer, got, resends = merged_reply(monkeypatch, caplog, corrupt=1)
+    assert syncer.versions() == [1] and resends == {}
     assert "asked the syncer to send it again" in caplog.text and "offered again" in caplog.text
     assert len(got) == 1 and got[0].version == 1 and got[0].accepted
     want = syncer.state()["global"][0]  # fragment 0's global leaves after the merge
@@ -154,7 +155,7 @@ def test_a_reply_whose_bytes_change_on_the_way_is_asked_for_again(monkeypatch, c
 def test_a_reply_corrupted_every_time_is_dropped_loudly_after_three_asks(monkeypatch, caplog):
     """Bytes that keep arriving changed: after RESENDS asks the reply is dropped with a warning that names the
     corruption, and nothing reaches the learner."""
-    syncer, got = merged_reply(monkeypatch, corrupt=1 + multiprocess.RESENDS)
-    assert syncer.versions() == [1] and got == []
+    syncer, got, resends = merged_reply(monkeypatch, caplog, corrupt=1 + multiprocess.RESENDS)
+    assert syncer.versions() == [1] and got == [] and resends == {}
     assert caplog.text.count("asked the syncer to send it again") == multiprocess.RESENDS
     assert "dropped a reply" in caplog.text and "arrived corrupted" in caplog.text

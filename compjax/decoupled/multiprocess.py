@@ -942,6 +942,7 @@ class MultiProcessTransport(Transport):
         """Ask the syncer to offer the arrays of reply ``msg`` again (at most :data:`RESENDS` times a reply)."""
         key = (int(msg["fragment"]), int(msg["version"]), int(msg.get("shard", 0)))
         if self._resends.get(key, 0) >= RESENDS:
+            del self._resends[key]  # given up: the count is kept only while a resend is awaited
             return False
         self._resends[key] = self._resends.get(key, 0) + 1
         self._say({"type": "resend", "fragment": key[0], "version": key[1], "shard": key[2]})
@@ -959,6 +960,7 @@ class MultiProcessTransport(Transport):
             values = _pull(msg["address"], int(msg["uuid"]), msg["shapes"], msg["dtypes"],
                            self._pull_timeout, "pull of a merged fragment", int(msg["crc"]))
         shard = int(msg.get("shard", 0))
+        self._resends.pop((int(msg["fragment"]), int(msg["version"]), shard), None)  # arrived intact
         with self._offers_lock:  # this fragment's (shard's) offers were pulled, or released before this reply
             for uuid in [u for u, o in self._offers.items() if o[2] == (int(msg["fragment"]), shard)]:
                 del self._offers[uuid]
