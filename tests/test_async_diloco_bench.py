@@ -112,6 +112,7 @@ def test_quick_benchmark(tmp_path):
         for x in raw["learners"]:  # paced: every step's compute padded to the pace, or over it
             assert x["pace_s"] == s["step_time_s"] > 0
             assert x["step_s"] + x["pad_s"] >= x["steps"] * x["pace_s"] * (1 - 1e-6), x
+            assert x["pad_s"] > 0 and x["overruns"] < x["steps"], x  # 100 ms: well above a step's compute
             assert x["goodput"] == pytest.approx((x["step_s"] + x["pad_s"]) / x["loop_s"])
     lock, asyn = rows["lock-step unshaped"], rows["async unshaped"]
     assert asyn["counted_bytes"] <= lock["counted_bytes"]  # the same messages, no more of them

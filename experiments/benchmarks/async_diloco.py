@@ -128,7 +128,7 @@ FULL = {"learners": 4, "steps": 1200, "sync_every": 200, "fragments": 4, "compre
         "heartbeat_timeout_s": 5.0, "step_time_s": 0.06,
         "log_every": 25, "eval_batches": 16}
 QUICK = {**FULL, "learners": 2, "steps": 60, "sync_every": 20, "fragments": 2, "log_every": 10, "eval_batches": 4,
-         "step_time_s": 0.03}
+         "step_time_s": 0.1}
 
 #: Rows: name -> (rate, mode).  Modes: lockstep, lockstep-straggler, async, straggler, fault.
 ROWS = {
